@@ -22,7 +22,7 @@ from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, grad_switched, parameter_path,
                                raise_input_changed, refuse_grad_switched,
                                refuse_parameters_changed, requires_grad_flags)
-from .changed_numbers import ChangedNumbers
+from .changed_numbers import ChangedNumbers, with_written
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
 from .forward_modules import ForwardModules
@@ -32,8 +32,7 @@ from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
 from .keep import KeepMode, kept_region, outside_kept_region, refuse_compiled_under_keep
-from .kernel_written import (WrittenThroughData, parameter_sums, remember, remembered,
-                             sums_moved)
+from .kernel_written import parameter_sums, remember, remembered
 from .made_before import leaving_tensors, on_kept_storages, unviewed
 from .module_state import ever_verified
 from .notes import add_note, note_no_grad_pass
@@ -228,8 +227,7 @@ class _BoundaryFunction(torch.autograd.Function):
                     call.changed_numbers = None
             # NOTE [a parameter written through .data] (kernel_written.py): a flag changed, as
             # a plain value or a buffer, both put back for the replay
-            written = sums_moved(call.params or [], param_sums) \
-                if param_sums is not None and flag_changed and not version_moved else None
+            written = param_sums is not None and flag_changed and not version_moved
             if numbers is not None:  # NOTE [values read, then changed by a later call]
                 tensors_read = numbers.read()
                 if tensors_read and call.owner is not None and reads_changed_state(tensors_read):
@@ -237,10 +235,11 @@ class _BoundaryFunction(torch.autograd.Function):
                 call.changed_numbers = ChangedNumbers([], read=tensors_read).joined(
                     call.changed_numbers)
             if written:
-                roots = call.modules[0] if call.modules is not None else []
-                call.changed_numbers = (call.changed_numbers or ChangedNumbers([]))
-                call.changed_numbers.written = WrittenThroughData(
-                    written, [parameter_path(roots, p) for p, _ in written])
+                assert param_sums is not None
+                name = functools.partial(parameter_path,
+                                         call.modules[0] if call.modules is not None else [])
+                call.changed_numbers = with_written(call.changed_numbers, call.params or [],
+                                                    param_sums, name)
         if call.frame.state_after:  # NOTE [state a reused call changes] (frozen.py)
             made = [value for changes in call.frame.state_after.values()
                     for kind, _, _, value in changes if kind == "numbers"]

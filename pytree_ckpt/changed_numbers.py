@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,12 +17,12 @@ from torch import nn
 from .eager import user_stacklevel
 from .errors import CheckpointError
 from .forward_modules import REINSTATED
-from .kernel_written import WrittenThroughData
+from .kernel_written import WrittenThroughData, sums_moved
 from .plain_values import (ABSENT, AFTER_REPLAY, CHANGED_BY_A_CALL, OURS, Contents, Refilled,
                            ReplacedNames, Rewritten, ValuesRead, entries_of, fresh_values,
                            put_entries, same_entry, tuple_tensors)
 
-__all__ = ["ChangedNumbers", "EndedAfterACall"]
+__all__ = ["ChangedNumbers", "EndedAfterACall", "with_written"]
 
 # NOTE [a key read beside a table given back]: a cache keyed by a plain value (ultralytics'
 # Detect head rebuilds `self.anchors` where `self.shape != p.shape`; a position table keyed by
@@ -359,6 +359,20 @@ def _only_added(at_start: Any, began: Any, ended: Any, after: Any, at_call: Any,
     return maxlen is not None and len(after) == maxlen and any(
         after[:maxlen - added] == ended[len(ended) - (maxlen - added):]
         for added in range(max(1, maxlen - len(ended) + 1), maxlen + 1))
+
+
+def with_written(numbers: ChangedNumbers | None, params: Sequence[torch.Tensor],
+                 sums: Sequence[torch.Tensor | None], name: Callable[[torch.Tensor], str], /
+                 ) -> ChangedNumbers | None:
+    """NOTE [a parameter written through .data] (kernel_written.py): ``numbers`` recording the
+    parameters whose bits' sum moved from ``sums`` (each named by ``name``), where any did;
+    the boundary's original pass and an output discard's forward both record so."""
+    moved = sums_moved(params, sums)
+    if not moved:
+        return numbers
+    numbers = numbers or ChangedNumbers([])
+    numbers.written = WrittenThroughData(moved, [name(p) for p, _ in moved])
+    return numbers
 
 
 def _holds_a_leaf_it_made(held: Any, entries: Any, /) -> bool:

@@ -25,7 +25,7 @@ import torch
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, grad_switched, parameter_path,
                                requires_grad_flags)
-from .changed_numbers import ChangedNumbers
+from .changed_numbers import ChangedNumbers, with_written
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
@@ -34,8 +34,8 @@ from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators
 from .keep import kept_region, outside_kept_region
-from .kernel_written import (WrittenThroughData, compared, mark_compared, parameter_sums,
-                             remember, remembered, sums_moved)
+from .kernel_written import (compared, mark_compared, parameter_sums, remember,
+                             remembered)
 from .module_state import foreign_leaves, module_dicts
 from .parameter_hooks import ParameterHooksPaused, accumulated_nothing
 from .recompute import used_by_this_backward
@@ -168,11 +168,10 @@ class DiscardFunction(torch.autograd.Function):
         # NOTE [a parameter written through .data] (kernel_written.py): a flag changed, as a
         # plain value or a buffer, both put back for the rebuild
         if param_sums is not None and not version_moved and (numbers_changed or (
-                owner.changed_state is not None and bool(owner.changed_state.changes))) and \
-                (written := sums_moved(owner.params or [], param_sums)):
-            owner.changed_numbers = owner.changed_numbers or ChangedNumbers([])
-            owner.changed_numbers.written = WrittenThroughData(
-                written, [parameter_path(roots, p) for p, _ in written])
+                owner.changed_state is not None and bool(owner.changed_state.changes))):
+            name = functools.partial(parameter_path, roots)
+            owner.changed_numbers = with_written(owner.changed_numbers, owner.params or [],
+                                                 param_sums, name)
         if param_before is not None:  # NOTE [parameters changed in place] (changed_in_place.py)
             assert owner.params is not None
             owner.param_versions = ParameterVersions(owner.params, param_before)
