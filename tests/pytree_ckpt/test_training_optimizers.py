@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 
-from tests.pytree_ckpt.test_training_loops import (_OFFLOAD, _Layer, _against_eager, _batch,
-                                                    _grads, _state)
+from tests.pytree_ckpt.test_training_loops import (_OFFLOAD, _Layer, _Net, _against_eager,
+                                                    _batch, _grads, _state)
 
 
 @_OFFLOAD
@@ -350,3 +350,49 @@ def test_backward_into_a_parameter_subset_and_first_order_maml_train_as_eager(
         return res, _state(model)
 
     _against_eager(body, offloaded=offloaded)
+
+
+def _reset_without_moving_versions(bn: nn.modules.batchnorm._NormBase) -> None:
+    assert bn.running_mean is not None and bn.running_var is not None
+    assert bn.num_batches_tracked is not None
+    bn.running_mean.data.zero_()
+    bn.running_var.data.fill_(1)
+    bn.num_batches_tracked.data.zero_()
+
+
+@_OFFLOAD
+@pytest.mark.parametrize("in_place", [False, True], ids=["checkpoint_layers", "apply"])
+def test_update_bn_between_forward_and_backward_is_accepted_with_the_gradients_eager_gives(
+        offloaded: bool, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/limits.md, State the forward changes (a batch norm's running statistics reset
+    # between a forward and its backward): eager refuses in backward, its batch norm having
+    # saved the running statistics whose versions the reset's zero_() moved. Checkpointed, the
+    # replay runs on the statistics as the forward began: the gradients are those of an eager
+    # run whose reset moves no version, and the statistics end as update_bn left them.
+    def body(model: nn.Module) -> Any:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        res = []
+        for step in range(2):
+            torch.manual_seed(step)
+            loss = model(_batch(step))
+            update_bn([_batch(40 + step), _batch(50 + step)], model)
+            loss.backward()
+            res.append((loss.detach(), _grads(model), _state(model), torch.get_rng_state()))
+            opt.step()
+            opt.zero_grad()
+        return res
+
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        body(_Net())
+    runs = iter([True, False])  # _against_eager runs the eager twin first
+
+    def twins(model: nn.Module) -> Any:
+        if not next(runs):
+            return body(model)
+        with monkeypatch.context() as patched:
+            patched.setattr(nn.modules.batchnorm._NormBase, "reset_running_stats",
+                            _reset_without_moving_versions)
+            return body(model)
+
+    _against_eager(twins, offloaded=offloaded, in_place=in_place)
