@@ -42,6 +42,7 @@ from pytree_ckpt.phase import ACTIVE, REBUILDING
 from pytree_ckpt.recording import tracer_records
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
+from pytree_ckpt.tree import describe_leaf
 
 from .config import OffloadConfig, refuse_torchtune_options
 from .lanes import Lanes
@@ -326,6 +327,15 @@ class OffloadManager:
         ``restore`` checks that it was not changed in place since; an inference tensor, which
         has no version to check, it holds as it is.
         """
+        if type(window) is not Window or not isinstance(tensor, torch.Tensor):
+            wrong = "window" if type(window) is not Window else "tensor"
+            raise CheckpointConfigError(
+                f"OffloadManager.offload_into takes a window and a tensor: its {wrong} is not one",
+                expected="manager.offload_into(window, t), window bound by `with "
+                         "manager.window(tensors) as window:`",
+                got=f"window: a {type(window).__name__}, tensor: a {type(tensor).__name__}",
+                tip="pass the window first, then the tensor; keep the handle it returns for "
+                    "restore()")
         with self._lock:  # NOTE [one thread at a time]
             if tensor.is_inference():
                 # Made under inference_mode: no version counter for a copy to check, and
@@ -340,6 +350,12 @@ class OffloadManager:
 
     def restore(self, packed: Any, /) -> torch.Tensor:
         """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
+        if not isinstance(packed, (Handle, Unchanged, Flattened)):
+            raise CheckpointConfigError(
+                "OffloadManager.restore takes a handle that offload_into returned",
+                expected="handle = manager.offload_into(window, t); t = manager.restore(handle)",
+                got=describe_leaf(packed),
+                tip="keep what offload_into returned and pass that, not the tensor itself")
         return self._unpack(packed)
 
     @runs_eagerly(WINDOW_REASON)

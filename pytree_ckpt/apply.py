@@ -212,23 +212,31 @@ def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
                ) -> list[tuple[str, nn.Module]]:
     """The modules of ``model`` that ``check_fn`` chooses, refusing none and nested ones."""
     chosen = []
+    nones = 0
     for name, m in model.named_modules():
         answer = check_fn(m)
         if isinstance(answer, (str, bytes)):
-            # Read as torch reads it (by truth), "no" or "False" would choose the module.
+            # Read as torch reads it (by truth), "no" or "False" would choose the module, and
+            # "" would not (helper PT: the message said any string was true).
             raise CheckpointConfigError(
                 f"check_fn returned the string {answer!r} for {name or '(the model)'} "
-                f"({type(m).__name__}), which is always true when read as a bool",
+                f"({type(m).__name__}): a string is read by its truth, so 'False' and 'no' "
+                "would choose a module and '' would not",
                 expected="True or False", got=f"{type(answer).__name__} {answer!r}",
                 tip="return a bool: check_fn=lambda m: isinstance(m, DecoderLayer)")
+        nones += answer is None
         if answer:
             chosen.append((name, m))
     if not chosen:
+        count = sum(1 for _ in model.modules())
+        # A def without its return gives None for every module (helper PT): said so.
         raise CheckpointConfigError(
             f"check_fn chose none of the modules of {type(model).__name__}: nothing would be "
             "checkpointed", expected="check_fn true for the layers to checkpoint",
-            got=f"false for all {sum(1 for _ in model.modules())} modules",
-            tip="check_fn=lambda m: isinstance(m, DecoderLayer), with your layer class")
+            got=f"None for all {count} modules (does check_fn return its test?)"
+            if nones == count else f"false for all {count} modules",
+            tip="check_fn=lambda m: isinstance(m, DecoderLayer), with your layer class, or "
+                "def check_fn(m): return isinstance(m, DecoderLayer)")
     for outer, _ in chosen:
         for inner, _ in chosen:
             if outer != inner and (outer == "" or inner.startswith(outer + ".")):

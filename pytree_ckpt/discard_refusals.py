@@ -16,6 +16,7 @@ from torch import nn
 from .changed_in_place import parameter_path
 from .discard_aliases import root_key
 from .errors import CheckpointConfigError, CheckpointError
+from .tree import describe_leaf
 
 if TYPE_CHECKING:  # discard.py imports this module
     from .discard import CheckpointWithoutOutput
@@ -80,7 +81,18 @@ def refuse_output(name: str, got: Any) -> None:
 def refuse_fp8(fp8: object, /) -> None:
     """Megatron-Core's ``fp8=`` keyword: off (``False``, or ``None``, what Megatron passes
     from a config with FP8 off) only. The rebuild in backward would not run under the
-    forward's FP8 autocast (Transformer Engine's state is not captured)."""
+    forward's FP8 autocast (Transformer Engine's state is not captured). An op given here
+    is told where it goes: ``CheckpointWithoutOutput(norm)``, written as ``checkpoint(fn, x)``
+    is, was told of FP8 autocast (helper PT)."""
+    if callable(fp8):
+        raise CheckpointConfigError(
+            "CheckpointWithoutOutput() takes no op: the op and its inputs go to its "
+            ".checkpoint()",
+            expected="ckpt = CheckpointWithoutOutput(); out = ckpt.checkpoint(norm, x)",
+            got=f"an op given to the constructor: {describe_leaf(fp8)}",
+            tip="the constructor's one positional argument is Megatron-Core's fp8 flag "
+                "(False): make one CheckpointWithoutOutput per discarded call, then call "
+                "its .checkpoint(op, *inputs)")
     if fp8 is not None and fp8 is not False:
         raise CheckpointConfigError(
             "output discard does not rebuild under FP8 autocast",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from .tree import describe_leaf  # tree.py imports nothing of this package: no cycle
 
 __all__ = ["CheckpointError", "CheckpointConfigError", "ReplayMismatchError", "ReuseError",
@@ -70,7 +72,16 @@ def validate_bool(value: object, /, *, name: str, default: bool | None = True) -
 
 def require_callable(fn: Any, where: str, tip: str, /, *,
                      role: str = "the function (or module) to run behind the boundary") -> None:
-    """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``."""
+    """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``. A module
+    class is refused too: ``checkpoint(Block, h)`` written for ``checkpoint(block, h)`` would
+    build a module behind the boundary (helper PT), as ``apply_activation_checkpointing``
+    refuses one (refusals.require_module)."""
+    if isinstance(fn, type) and issubclass(fn, nn.Module):
+        raise CheckpointConfigError(
+            f"{where} takes {role}, not a module class",
+            expected="a callable: a module instance or a function",
+            got=f"the class {fn.__name__}, not an instance of it",
+            tip=f"pass the model's {fn.__name__} module itself, not its class")
     if not callable(fn):
         raise CheckpointConfigError(f"{where} takes {role}", expected="a callable",
                                     got=describe_leaf(fn), tip=tip)

@@ -45,6 +45,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
+from .phase import ACTIVE, Phase
 from .refusals import refuse_container, require_module
 from .tree import dunder
 
@@ -112,6 +113,10 @@ class _CheckpointedForward:
             warn_compiled_over(module, self)
         if module.__dict__.get("_compiled_call_impl") is not None:
             warn_module_compiled(module, self)
+        if "nested" not in self.told and (outer := ACTIVE.get()) is not None and \
+                outer.phase is Phase.FORWARD:
+            self.told.add("nested")
+            _log_nested(module, self.label)
         check = self.check_wrapper
         if check is None or (check and in_compiled_module_call()):
             # NOTE [compiled around the layer] in compiled_layers.py
@@ -212,6 +217,28 @@ class _CheckpointedForward:
         bare = self._bare_for(module)  # refuses what could not come back right
         name = None if bare is None else bare.__func__.__name__
         return (_restore_forward, (module, name, self.options))
+
+
+def _log_nested(module: nn.Module, label: str | None, /) -> None:
+    """NOTE [a checkpointed layer inside a checkpointed call]: a layer checkpointed and then
+    its model too (``checkpoint_layers(model.layers)`` and ``apply_activation_checkpointing(
+    model)``, in either order, or ``checkpoint(model, x)``) runs each layer's forward three
+    times a step where eager runs it once and one boundary twice: gradients stay exact, and the
+    outer boundary saves no memory over the layers' (its replay recomputes every layer input
+    again). ``check_fn`` choosing both is refused at once (apply.py); two calls were silent
+    (helper PT). Warned once per layer, at its first call inside another boundary's forward,
+    the only place both orders can be seen (a list of layers names no ancestor). Logged, not
+    a Python warning: nesting on purpose (a sub-block inside a layer, to lower the peak of
+    the layer's own backward) is exact and documented, and the message says how to quiet
+    it."""
+    name = f"{type(module).__name__} ({label})" if label else type(module).__name__
+    logger.warning(
+        "the checkpointed %s was called inside another checkpointed call (its model, or a "
+        "layer, checkpointed too): each step runs its forward once more than one boundary "
+        "would (gradients stay exact). Tip: checkpoint the layers or the model, not both "
+        "(remove_activation_checkpointing on one of them); if the nesting is on purpose (a "
+        "sub-block inside a checkpointed layer), quiet this with "
+        "logging.getLogger('pytree_ckpt.module').setLevel(logging.ERROR)", name)
 
 
 def _restore_forward(module: nn.Module, method: str | None,

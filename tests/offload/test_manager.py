@@ -2657,3 +2657,16 @@ def test_a_backward_under_inference_mode_through_offloaded_layers_gives_eager_gr
         got.append([x.grad, *(p.grad for p in m.parameters())])
     assert all(a is not None for a in got[0])
     assert all(b is not None and torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_offload_into_and_restore_refuse_wrong_arguments_with_checkpoint_errors() -> None:
+    # docs/offload.md: "Both are public, for code of your own"; every error is a CheckpointError.
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu")
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(CheckpointError):
+        manager.restore(x)  # the tensor, not the handle offload_into returned
+    with manager.window([x]) as window:
+        with pytest.raises(CheckpointError):
+            manager.offload_into(window, 3)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError):
+        manager.offload_into([x], x)  # type: ignore[arg-type]  # the tensors, not the window

@@ -3329,3 +3329,16 @@ def test_a_second_backward_through_the_same_output_of_a_two_output_call_is_noted
         a.sum().backward()
     notes = getattr(error.value, "__notes__", [])
     assert notes and not any("share nothing" in n for n in notes)
+
+
+def test_a_module_class_given_to_checkpoint_is_refused_as_apply_refuses_it() -> None:
+    # The slip `checkpoint(Block, h)` for `checkpoint(block, h)`: eager would be `Block(h)`,
+    # but nothing here is meant to construct a module; apply_activation_checkpointing(nn.Linear)
+    # already says "got: the class Linear, not an instance of it".
+    h = torch.randn(2, 4, requires_grad=True)
+    for call in (lambda: pytree_ckpt.checkpoint(nn.Flatten, h),
+                 lambda: pytree_ckpt.checkpointed(nn.Flatten)(h),
+                 lambda: pytree_ckpt.CheckpointWithoutOutput().checkpoint(nn.Flatten, h),
+                 lambda: pytree_ckpt.reuse_during_recompute(nn.Flatten, h)):
+        with pytest.raises(pytree_ckpt.CheckpointConfigError, match="class Flatten"):
+            call()

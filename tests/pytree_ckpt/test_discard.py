@@ -2205,3 +2205,32 @@ def test_prune_remove_before_a_discarded_pruned_linears_rebuild_gives_eager_grad
         return grads_of([*fc.parameters(), x])
 
     assert_same_grads(run(False), run(True))
+
+
+def test_a_module_given_to_checkpoint_without_output_is_refused_naming_checkpoint() -> None:
+    # A newcomer who knows checkpoint(fn, x) writes CheckpointWithoutOutput(norm): the positional
+    # slot is Megatron's fp8, and the message spoke of FP8 autocast ("got: fp8=LayerNorm(...)").
+    norm = nn.LayerNorm(8)
+    with pytest.raises(CheckpointConfigError) as refused:
+        CheckpointWithoutOutput(norm)  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert "FP8" not in message.splitlines()[0] and ".checkpoint(" in message
+
+
+def test_checkpoint_without_output_misuse_is_refused_with_checkpoint_errors() -> None:
+    norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointError, match="before checkpoint"):
+        CheckpointWithoutOutput().discard_output_and_register_recompute(proj(x))
+    with pytest.raises(CheckpointConfigError, match="expected: a callable"):
+        CheckpointWithoutOutput().checkpoint([norm], x)  # type: ignore[arg-type]
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(norm, x))
+    with pytest.raises(CheckpointConfigError, match="must be a tensor that requires grad"):
+        ckpt.discard_output_and_register_recompute((out,))  # type: ignore[arg-type]
+    ckpt.discard_output_and_register_recompute(out)
+    with pytest.raises(CheckpointError, match="already discarded"):
+        ckpt.discard_output_and_register_recompute(out)
+    with pytest.raises(CheckpointError, match="already used"):
+        ckpt.checkpoint(norm, x)
+    (x + out).sum().backward()

@@ -1511,3 +1511,70 @@ def test_a_recursive_tree_module_checkpointed_at_its_root_runs_eagers_depth_with
     pytree_ckpt.checkpoint(ours, node).sum().backward()
     assert len(forwards) == 2 * 201
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()))
+
+
+class _CountedBlock(nn.Module):
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return self.lin(x).tanh()
+
+
+@pytest.mark.parametrize("order", ["layers_then_model", "model_then_layers", "checkpoint_call"])
+def test_layers_checkpointed_inside_a_checkpointed_model_are_logged_once_with_eager_grads(
+        order: str, caplog: pytest.LogCaptureFixture) -> None:
+    # NOTE [a checkpointed layer inside a checkpointed call] (module.py): check_fn choosing a
+    # module and one inside it is refused; the same nesting made by two calls ran each layer
+    # three times a step, silently (helper PT). Logged once per layer at its first call inside
+    # the other boundary's forward (a list of layers names no ancestor, so not at the apply;
+    # a log, as nesting on purpose is exact and documented).
+    torch.manual_seed(0)
+    model = nn.Sequential(_CountedBlock(), _CountedBlock())
+    eager = copy.deepcopy(model)
+    if order != "model_then_layers":
+        checkpoint_layers(model)
+    if order == "layers_then_model":
+        apply_activation_checkpointing(model)
+    elif order == "model_then_layers":
+        apply_activation_checkpointing(model)
+        checkpoint_layers(model)
+    run = (lambda x: pytree_ckpt.checkpoint(model, x)) if order == "checkpoint_call" else model
+    x = torch.randn(2, 4, requires_grad=True)
+    for step in range(2):
+        _CountedBlock.calls = 0
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pytree_ckpt.module"):
+            run(x).sum().backward()
+        told = [r.getMessage() for r in caplog.records
+                if "called inside another checkpointed" in r.getMessage()]
+        assert len(told) == (2 if step == 0 else 0), told
+        assert _CountedBlock.calls == 2 * 3  # what it costs: eager runs each block once
+    for _ in range(2):
+        eager(x).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])
+
+
+def test_a_check_fn_returning_an_empty_string_is_not_said_to_be_always_true() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    with pytest.raises(CheckpointConfigError) as refused:
+        apply_activation_checkpointing(
+            model, check_fn=lambda m: "yes" if isinstance(m, nn.Linear) else "")  # type: ignore
+    assert bool("") is False
+    assert "always true" not in str(refused.value) and "'' would not" in str(refused.value)
+
+
+def test_a_check_fn_without_its_return_is_told_it_returned_none() -> None:
+    # A def that tests but never returns gives None for every module (helper PT): said so,
+    # not "false for all".
+    def check_fn(m: nn.Module) -> bool:
+        isinstance(m, nn.Linear)  # the slip: no return
+        return None  # type: ignore[return-value]
+
+    with pytest.raises(CheckpointConfigError, match="None for all 3 modules"):
+        apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4), nn.GELU()),
+                                       check_fn=check_fn)
