@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -21,7 +22,7 @@ from .boundary_call import NO_HELD, BoundaryCall
 from .census import Mechanism, census_active, report_held
 from .changed_in_place import (ParameterVersions, grad_switched, parameter_path,
                                raise_input_changed, refuse_grad_switched,
-                               refuse_parameters_changed, requires_grad_flags)
+                               refuse_parameters_changed, requires_grad_flags, saved_path)
 from .changed_numbers import ChangedNumbers, with_written
 from .compiled_layers import recompile_limit_note
 from .eager import BACKWARD_REASON, runs_eagerly
@@ -31,6 +32,8 @@ from .forward_numbers import (NumbersGlance, NumbersWatch, glanced_dicts, number
 from .generator_sets import forward_watch, learned
 from .held_generators import held_generators, warn_made_during
 from .hook_outputs import GradFlow, HookedOutputs, held_tensors, recording
+from .forward_hooks import ForwardHooks, handles_made
+from .inner_backward import InnerBackwardWatch
 from .keep import KeepMode, kept_region, outside_kept_region, refuse_compiled_under_keep
 from .kernel_written import parameter_sums, remember, remembered
 from .made_before import leaving_tensors, on_kept_storages, unviewed
@@ -136,6 +139,10 @@ class _BoundaryFunction(torch.autograd.Function):
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         keeping: KeepMode | None = None
         hooks = None
+        # NOTE [a gradient inside the forward reaching the graph before the call]
+        inner = InnerBackwardWatch(saved)
+        # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py)
+        handles_before = handles_made()
         try:
             # Set inside the try, put back as the parent, not by a token: a KeyboardInterrupt
             # as the set returned left the pass active for good (helper KZ: offload windows
@@ -179,10 +186,13 @@ class _BoundaryFunction(torch.autograd.Function):
             raise
         finally:
             try:
+                inner.stop()
                 if hooks is not None:
                     push_saved_hooks(hooks)
             finally:
                 ACTIVE.set(invocation.parent)
+        inner.refuse(fn_name(call.fn), _its_saved(call))
+        call.forward_hooks = ForwardHooks.found([*saved, *(call.params or ())], handles_before)
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
         if grad_switched(tensors, needs, frozen):
@@ -564,3 +574,8 @@ def apply_function(call: BoundaryCall, anchor: torch.Tensor | None,
     if _apply_in_c is None:
         return _BoundaryFunction.apply(call, anchor, *inputs)
     return _apply_in_c(call, anchor, *map(_unwrap_if_dead, inputs))
+
+
+def _its_saved(call: BoundaryCall, /) -> Callable[[int], str]:
+    """Names of ``call``'s saved tensors for InnerBackwardWatch.refuse (only on refusal)."""
+    return lambda slot: ("its input " if slot < call.n_inputs else "") + saved_path(call, slot)

@@ -11,6 +11,7 @@ its path in the modules) changed, both versions and the fix. The boundary's Func
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # the boundary imports this module
 __all__ = ["CHANGED_AFTER_CALL_TIP", "ParameterVersions", "parameter_path",
            "raise_changed_after_call", "raise_input_changed", "raise_parameter_changed_after_call",
            "grad_switched", "refuse_grad_switched", "refuse_parameters_changed",
-           "requires_grad_flags"]
+           "requires_grad_flags", "saved_path"]
 
 
 def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
@@ -70,6 +71,14 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
                 "; a sparse COO input's counter also moves when code only marks it coalesced "
                 "(`_coalesced_(True)`, as PyG's GCNConv does with a COO `adj_t`): pass it as "
                 "CSR (`adj.to_sparse_csr()`)" if coo else ""))
+
+
+def saved_path(call: BoundaryCall, slot: int, /) -> str:
+    """The saved tensor ``slot`` of ``call`` (its inputs, then the attributes saved with them:
+    NOTE [attributes set before the call] in boundary.py) by key path or attribute name."""
+    return input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot) \
+        if slot < call.n_inputs else \
+        f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)"
 
 
 def requires_grad_flags(tensors: Sequence[torch.Tensor], /) -> list[bool]:
@@ -145,11 +154,7 @@ def raise_changed_after_call(call: BoundaryCall, raw_saved: Sequence[Any],
     call: autograd's check (or ``Unchanged``'s, under a hook) found it as backward unpacked the
     boundary's saved tensors. Named by key path: each saved tensor is unpacked again, alone,
     to find which (an error path: the cost does not matter)."""
-    def name(slot: int) -> str:
-        return input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot) \
-            if slot < call.n_inputs else \
-            f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)"
-
+    name = functools.partial(saved_path, call)
     changed = [_changed_since_saved(saved, call.saved_versions[slot])
                for slot, saved in enumerate(raw_saved)]
     if None in changed:  # this torch cannot tell which: named only if there is one

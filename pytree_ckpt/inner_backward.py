@@ -1,0 +1,79 @@
+"""A backward run inside a call's original pass that flows past its inputs, into the graph
+that computed them (NOTE [a gradient inside the forward reaching the graph before the call]).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["InnerBackwardWatch"]
+
+# NOTE [a gradient inside the forward reaching the graph before the call]: a forward may take
+# gradients itself under torch.enable_grad() (a physics-informed network's du/dx, a
+# Lagrangian network's d2L/dqd2, a test-time-training step on its own weight). The original
+# pass runs on the caller's tensors, so such a gradient is eager's total derivative: taken
+# with respect to x, it also flows through y when the caller computed y from x
+# (`layer(x, 2 * x)`; a semi-implicit rollout's q from qd; the input of a layer called twice,
+# computed from the weight the gradient is taken for). The replay runs on the inputs
+# detached, as every reentrant checkpoint does, so there y is a leaf of its own: its
+# outputs are other numbers than the forward's and every gradient through them is wrong,
+# silently (helper PS: a weight's gradient 11.2 off; an LNN rollout's 2%). Such a gradient
+# runs the node that made an input (its grad_fn) inside the forward; one that stops at the
+# inputs never does (autograd captures a gradient taken for an input at its node without
+# running it). So a pre-hook on each input's node, held for the original pass only (about a
+# microsecond an input), finds it, and the call is refused at once, naming the input. A
+# gradient that runs such a node only to feed something the outputs never use would give
+# the forward's outputs anyway; it is refused too (nothing tells it apart before backward).
+
+
+class InnerBackwardWatch:
+    """NOTE above: pre-hooks on the nodes that made ``tensors`` (the call's inputs and the
+    attributes saved with them), from construction to ``stop``."""
+
+    __slots__ = ("handles", "reached")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], /) -> None:
+        self.reached: list[int] = []
+        self.handles: list[Any] = []
+        for slot, t in enumerate(tensors):  # NOTE [loops on the per-call path] (boundary.py)
+            node = t.grad_fn
+            if node is not None:
+                self.handles.append(node.register_prehook(
+                    functools.partial(_reached, self.reached, slot)))
+
+    def stop(self) -> None:
+        """Take the hooks off (before any error of the pass propagates)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def refuse(self, where: str, path: Callable[[int], str], /) -> None:
+        """After the pass: refuse if a backward inside it ran an input's node. ``path(slot)``
+        names the input (``its input args[1]``); ``where`` the call."""
+        if not self.reached:
+            return
+        names = list(dict.fromkeys(path(slot) for slot in self.reached))
+        which = names[0] if len(names) == 1 else " and ".join(names)
+        raise CheckpointError(
+            f"{where} took a gradient inside its forward (torch.autograd.grad or backward() "
+            f"under torch.enable_grad()) that flowed past {which} into the graph "
+            "that computed it: the replay in backward runs on the inputs detached, so the "
+            "part of that gradient through what the input was computed from (another input, "
+            "a parameter) would be missing, and the replay's outputs and every gradient "
+            "through them would not be eager's",
+            expected="a gradient inside the forward that stops at the call's inputs",
+            got=f"{which} reached by it (the node that computed it ran inside the forward)",
+            tip="compute the related tensors inside the call, in its torch.enable_grad() "
+                "block (layer(x) computing y = 2 * x there, not layer(x, 2 * x)); or pass "
+                ".detach() of an input whose history that gradient should not follow; or "
+                "leave this layer unwrapped")
+
+
+def _reached(reached: list[int], slot: int, grad_outputs: Any, /) -> None:
+    reached.append(slot)
