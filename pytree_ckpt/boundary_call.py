@@ -16,6 +16,7 @@ from torch import nn
 
 from .changed_in_place import ParameterVersions
 from .errors import ReplayMismatchError, validate_bool
+from .forward_hooks import ForwardHooks
 from .forward_modules import ForwardModules
 from .changed_numbers import ChangedNumbers
 from .frames import Frame
@@ -82,7 +83,7 @@ class BoundaryCall:
                  "hook_dicts", "hook_tables", "hook_epoch", "replaying",
                  "param_versions", "plain_state", "bound", "kept", "made_leaves",
                  "generator_sets", "prints", "replayed_versions", "window_hooks",
-                 "held_before_replay")
+                 "held_before_replay", "forward_hooks")
 
     def __init__(self, fn: Callable[..., Any], options: BoundaryOptions, in_spec: Any,
                  in_leaves: list[Any], in_tensor_index: list[int], in_slots: list[int], /) -> None:
@@ -156,6 +157,8 @@ class BoundaryCall:
         # What hooks and input objects held as a first replay began (refusals.py's
         # held_before_replay), for a refusal's search.
         self.held_before_replay: frozenset[int] | None = None
+        # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py)
+        self.forward_hooks: ForwardHooks | None = None
         # The threads running this call's backward now (NOTE [a replay that reaches its own
         # node] in refusals.py).
         self.replaying: set[int] = set()

@@ -17,6 +17,7 @@ from torch import nn
 
 from .engine import input_grads
 from .errors import CheckpointError, ReuseError, SavedTensorChanged
+from .forward_hooks import handles_made
 from .generator_sets import replay_watch
 from .grad_reach import grad_reach
 from .hook_outputs import recording
@@ -319,6 +320,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
             # NOTE [the replay runs the forward's hooks] (hook_tables.py)
             hooks = None if call.hook_dicts is None else \
                 HookTables.replay(call.hook_tables, call.hook_dicts, call.hook_epoch)
+            # NOTE [hooks the forward registers on its parameters and inputs]
+            handles_before = handles_made() if call.forward_hooks is not None else 0
             with numbers:
                 if not (shadow or call.attributes or call.options.keep is not None or
                         call.hooked_outputs is not None or call.changed_state is not None
@@ -352,6 +355,9 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                         if call.hooked_outputs is not None:
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
+                if call.forward_hooks is not None:
+                    call.forward_hooks.drop_repeated([*aliases, *(call.params or ())],
+                                                     handles_before)
                 if first is not None:
                     first.check(call)
             if call.changed_numbers is not None and call.changed_numbers.gave_back and \
