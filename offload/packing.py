@@ -57,26 +57,30 @@ def pack_saved(manager: OffloadManager, window: Window, tensor: torch.Tensor, /)
             manager._counters["below_min_bytes"] += nbytes
             window.pass_.largest_small = max(window.pass_.largest_small, nbytes)
         return Unchanged(tensor)
-    copy = window.copies.get(key)
+    # By storage and the tensor whose counter the copy checks (NOTE [one counter per shared
+    # copy] in window.py): a table every window gets, saved beside a `.detach()` alias of it,
+    # kept one copy for the pass, where one entry per storage let the alias's copy replace the
+    # table's, copied again in every window (helper JI); and the window lists both copies, so
+    # its restore brings back (and its first unpack keeps) each, where the alias's replaced
+    # the other there, which was copied back from host beside the device bytes it could reuse
+    # and counted as alive elsewhere (helper PV).
+    base = tensor._base if tensor._base is not None else tensor
+    slot = (*key, id(base))
+    copy = window.copies.get(slot)
     if copy is None or not copy.holds(tensor) or not copy.same_counter(tensor):
-        # By storage and the tensor whose counter the copy checks (NOTE [one counter per
-        # shared copy] in window.py): a table every window gets, saved beside a `.detach()`
-        # alias of it, kept one copy for the pass, where one entry per storage let the
-        # alias's copy replace the table's, copied again in every window (helper JI).
-        base = tensor._base if tensor._base is not None else tensor
-        copy = window.pass_.shared.get((*key, id(base)))
+        copy = window.pass_.shared.get(slot)
         if copy is None or not copy.holds(tensor) or not copy.same_counter(tensor):
             copy = Copy(manager, window, tensor)
-            window.pass_.shared[(*key, id(base))] = copy
+            window.pass_.shared[slot] = copy
             _report_offload(copy, tensor)
         else:
             # This window's boundary has just reported the storage as its input; what
             # holds it for backward is the earlier window's copy (the census filed it as a
             # resident boundary input, never flagged when the caller keeps it).
             _report_shared(copy, tensor)
-        window.copies[key] = copy
+        window.copies[slot] = copy
         if window.open_copies is not None:
-            window.open_copies[key] = copy
+            window.open_copies[slot] = copy
     return Handle(copy, window, key, tensor)
 
 def _pack_inner(manager: OffloadManager, window: Window, tensor: torch.Tensor, /

@@ -44,7 +44,7 @@ class Copy:
     __slots__ = ("manager", "pass_ref", "seq", "stream", "host", "nbytes", "device", "version",
                  "storage_ref", "data_ptr", "device_bytes", "alias", "d2h_event", "restored",
                  "reused", "restored_on", "h2d_event", "host_holder", "restored_holder",
-                 "seen_version", "source", "watch", "restored_version", "__weakref__")
+                 "seen_version", "source", "watch", "restored_version", "reuse", "__weakref__")
 
     def __init__(self, manager: OffloadManager, window: Window, tensor: torch.Tensor, /) -> None:
         storage = tensor.untyped_storage()
@@ -70,6 +70,7 @@ class Copy:
         self.restored: torch.Tensor | None = None
         self.restored_holder: RestoredHolder | None = None  # for the census, while restored
         self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
+        self.reuse: Reused | None = None  # held while reused, judged when the last one goes
         self.restored_on: Any = None  # the stream whose pool ``restored``'s memory came from
         # ``restored``'s version once its bytes landed (NOTE [a change in backward through a
         # restored alias]): the copy back moves it, when it runs.
@@ -190,6 +191,7 @@ class Copy:
             self.restored = device_bytes
             self.restored_on = self.stream
             self.reused = True
+            self.reuse = Reused.joined(self)
             counters["reused_bytes"] += self.nbytes
         else:
             assert self.host is not None
@@ -259,15 +261,51 @@ class Copy:
                 # now, the copy is not waited for at all.
                 if not manager.engine.done(self.d2h_event):
                     manager.engine.wait(self.d2h_event, stream=self.stream)
-                # Ours: anything still holding the storage after these is someone else's.
-                self.restored = self.alias = None
-                manager._liveness.judge(self.storage_ref, self.nbytes, late=True)
+                # Ours: anything still holding the storage after these is someone else's,
+                # judged once every copy that reused it is gone (``Reused``).
+                self.restored = self.alias = self.reuse = None
         finally:
             # The last handle is gone: the host buffer goes back with the last copy that used it.
             host, manager = getattr(self, "host", None), getattr(self, "manager", None)
             if host is not None and manager is not None:
                 last = self.h2d_event if self.h2d_event is not None else self.d2h_event
                 manager.pool.release(host, event=last)
+
+
+class Reused:
+    """NOTE [reuse at the turn], continued: a device storage that copies of one pass reused
+    at backward's turn, judged alive elsewhere or not when the last of them is gone. Two
+    copies reuse one storage where a tensor and its `.detach()` (or `.data`) alias were saved
+    in one window (a stop-gradient branch: NOTE [one counter per shared copy]); each judged
+    it when it died, and the first found it held by the other, counted as alive elsewhere
+    (helper PV). Held by the copies only: its ``__del__`` runs where the last one's does (on
+    any thread: NOTE [counted late] in liveness.py)."""
+
+    __slots__ = ("liveness", "storage_ref", "nbytes", "__weakref__")
+
+    def __init__(self, copy: Copy, /) -> None:
+        self.liveness = copy.manager._liveness
+        self.storage_ref = copy.storage_ref
+        self.nbytes = 0
+
+    @staticmethod
+    def joined(copy: Copy, /) -> Reused:
+        """The record of ``copy``'s storage in its pass (made by its first reuse), with its
+        bytes added; under the manager's lock, as every restore is."""
+        pass_ = copy.pass_ref()
+        key = copy.storage_ref.cdata
+        found = pass_.reused.get(key) if pass_ is not None else None
+        if found is None or found.storage_ref.expired():
+            found = Reused(copy)
+            if pass_ is not None:
+                pass_.reused[key] = found
+        found.nbytes += copy.nbytes
+        return found
+
+    def __del__(self) -> None:
+        liveness = getattr(self, "liveness", None)
+        if liveness is not None:
+            liveness.judge(self.storage_ref, self.nbytes, late=True)
 
 
 def _source_died(copy_ref: weakref.ref[Copy], _: Any, /) -> None:
@@ -417,7 +455,8 @@ class Pass:
     manager checked them (``__del__``)."""
 
     __slots__ = ("lane", "ref", "ended", "windows", "next_id", "events", "prefetched", "shared",
-                 "backward", "prefetch_off", "offloaded", "largest_small", "__weakref__")
+                 "reused", "backward", "prefetch_off", "offloaded", "largest_small",
+                 "__weakref__")
 
     def __init__(self, lane: Lane, ended: deque[tuple[int, int]], /) -> None:
         self.lane = weakref.ref(lane)
@@ -433,6 +472,8 @@ class Pass:
         # By storage key and the id of the tensor (a view's base) whose counter it checks.
         self.shared: weakref.WeakValueDictionary[tuple[str, int, int], Copy] = (
             weakref.WeakValueDictionary())
+        # Device storages its copies reused at backward's turn, by storage (``Reused``).
+        self.reused: weakref.WeakValueDictionary[int, Reused] = weakref.WeakValueDictionary()
         self.backward = False  # a window was restored: new windows belong to a new pass
         # A prefetch ran out of device memory: the rest of the pass restores on demand (NOTE
         # [a prefetch that runs out of memory] in prefetch.py).
@@ -478,16 +519,18 @@ class Window:
         self.keys = keys  # storage key -> index of the first window tensor on it (None: frames)
         self.name = name
         self.changed_tip = changed_tip  # for a window tensor changed after its save
-        # Weak: handles hold their window and copy; the window holds no copy (no cycle).
-        self.copies: weakref.WeakValueDictionary[tuple[str, int], Copy] = (
+        # Weak: handles hold their window and copy; the window holds no copy (no cycle). By
+        # storage key and the id of the tensor (or view base) copied: a `.detach()` alias
+        # saved beside its tensor has a copy of its own (packing.py).
+        self.copies: weakref.WeakValueDictionary[tuple[str, int, int], Copy] = (
             weakref.WeakValueDictionary())
         # Strong while the window is open (its ``with`` block), then None: a storage saved
         # again in the window after the graph of its first save was dropped (a metric logged
         # mid-forward, ``loss.item()``) finds its copy, copied once per window (helper GO;
-        # NOTE [a copy nobody needs is not held] in in_flight.py). The latest copy per storage
+        # NOTE [a copy nobody needs is not held] in in_flight.py). The latest copy per entry
         # only: an older one (of an input changed in place since) is never taken again
         # (helper GP: one host buffer per version held to the window's exit).
-        self.open_copies: dict[tuple[str, int], Copy] | None = {}
+        self.open_copies: dict[tuple[str, int, int], Copy] | None = {}
         self.restored = False
         self.small: set[tuple[str, int]] = set()  # left alone: below min_bytes, or elsewhere
 

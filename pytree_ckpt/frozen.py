@@ -132,7 +132,8 @@ def held_tensors(fn: Callable[..., Any], /) -> Held | None:
     if module is None:
         return None
     d = module.__dict__
-    return d, {name: id(value) for name, value in d.items() if isinstance(value, torch.Tensor)}
+    return d, {name: id(value) for name, value in tuple(d.items())
+               if isinstance(value, torch.Tensor)}
 
 
 def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
@@ -175,7 +176,7 @@ def stored_floats(fn: Callable[..., Any], held: Held, probe: Any, /
     # function only, whose module may be one it was given (helper JX: "NoneType.probs").
     owner = type(owning_module(fn)).__name__
     found = tuple((f"{owner}.{name}", None if probe is None else probe.source(value))
-                  for name, value in d.items()
+                  for name, value in tuple(d.items())
                   if isinstance(value, torch.Tensor) and before.get(name) != id(value) and
                   _is_float(value) and not value.requires_grad)
     try:

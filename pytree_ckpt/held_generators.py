@@ -83,7 +83,7 @@ def _names(d: dict[str, Any], user: bool, /) -> tuple[str, ...]:
     """The names in ``d`` that hold a generator, or None in a module of the user's class (one
     may be put there later; torch.nn's own layers, whose None options such as an RMSNorm's
     ``eps`` would be read at every call for nothing, make no generator)."""
-    return tuple(name for name, value in d.items()
+    return tuple(name for name, value in tuple(d.items())
                  if isinstance(value, _Generator) or
                  (user and value is None and name not in _MODULE_OWN and
                   not name.startswith(_MARKERS)))

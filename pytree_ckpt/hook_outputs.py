@@ -394,7 +394,7 @@ def held_tensors(dicts: Iterable[dict[str, Any]], /) -> dict[int, torch.Tensor]:
     """
     held: dict[int, torch.Tensor] = {}
     for d in dicts:
-        for value in d.values():
+        for value in tuple(d.values()):
             if isinstance(value, torch.Tensor):
                 held[id(value)] = value
             elif isinstance(value, (tuple, list)):

@@ -105,7 +105,7 @@ def _tree(layer: nn.Module, /) -> list[nn.Module]:
 
 def kept_wrappers(layer: nn.Module, /) -> list[tuple[nn.Module, str, _KeptMethod]]:
     """(submodule, name, wrapper) for each kept method in ``layer``'s tree, itself included."""
-    return [(sub, name, held) for sub in _tree(layer) for name, held in sub.__dict__.items()
+    return [(sub, name, held) for sub in _tree(layer) for name, held in tuple(sub.__dict__.items())
             if type(held) is _KeptMethod]
 
 

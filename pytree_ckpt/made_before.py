@@ -206,7 +206,7 @@ def refuse_changed_views(fn: Callable[..., Any], noted: list[tuple[int, Any, int
     for module in [*modules, *(obj for obj in objects if isinstance(obj, nn.Module))]:
         for sub in module.modules():
             found += [*sub._parameters.values(), *sub._buffers.values(),
-                      *(v for v in sub.__dict__.values() if isinstance(v, torch.Tensor))]
+                      *(v for v in tuple(sub.__dict__.values()) if isinstance(v, torch.Tensor))]
     keys = {root_key(t) for t in found if isinstance(t, torch.Tensor)} - {None}
     for position, alias, version in moved:
         if root_key(alias) in keys:

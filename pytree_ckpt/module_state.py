@@ -603,7 +603,7 @@ _Frozen = tuple[nn.Module, str, tuple[Any, ...]]
 def _frozen_attributes(module: nn.Module, /) -> tuple[_Frozen, ...]:
     found = []
     for sub in module.modules():
-        for name, value in vars(sub).items():
+        for name, value in tuple(vars(sub).items()):
             if name in _NOT_ATTRIBUTES or name.startswith("_pytree_ckpt"):
                 continue
             keys = tuple(key for key, t in _entries(value)

@@ -118,7 +118,7 @@ def _held_output(node: Any, call: BoundaryCall, /) -> str:
     roots = call.forward_modules.roots if call.forward_modules is not None else ()
     for root in roots:
         for path, module in root.named_modules():
-            for name, value in vars(module).items():
+            for name, value in tuple(vars(module).items()):
                 at = f"{path}.{name}" if path else name
                 if holding(value):
                     return f", held by the module attribute {at}"
@@ -175,7 +175,7 @@ def raise_freed_graph_reached(call: BoundaryCall, error: RuntimeError, /) -> Non
     holders = [(f"{path}.{name}" if path else name, sub, name)
                for module in ([call.owner] if call.owner is not None else [])
                for path, sub in module.named_modules()
-               for name, value in vars(sub).items()
+               for name, value in tuple(vars(sub).items())
                if name not in ("_parameters", "_buffers", "_modules") and any(
                    isinstance(t, torch.Tensor) and t.grad_fn is not None
                    for t in ([value] if isinstance(value, torch.Tensor) else
@@ -493,7 +493,7 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     owner, fn = call.owner, call.fn
     assert owner is not None
     for path, module in owner.named_modules():
-        for name, value in vars(module).items():
+        for name, value in tuple(vars(module).items()):
             if name in ("_parameters", "_buffers", "_modules"):
                 continue
             at = f"{path}.{name}" if path else name
@@ -550,7 +550,7 @@ def _held_at(leaf: torch.Tensor, call: BoundaryCall, /) -> str:
     # vector scaled and kept there, read by a hook inside the layer: helper OR); asked last,
     # since an activation a submodule keeps has one too (helper OS).
     for path, module in owner.named_modules():
-        for name, value in vars(module).items():
+        for name, value in tuple(vars(module).items()):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None and \
                     graph_reaches([value.grad_fn], leaf):
                 at = f"{path}.{name}" if path else name

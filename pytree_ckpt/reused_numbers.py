@@ -222,7 +222,7 @@ def _objects_of_its_module(fn: Any, /) -> list[Any]:
     owner = owning_module(fn)  # a method bound by a partial too (with_its_module)
     if owner is None:
         return []
-    return [value for name, value in vars(owner).items()
+    return [value for name, value in tuple(vars(owner).items())
             if name not in NOT_STATE and type(value) not in CONTAINERS and
             not immutable(value) and not _ours(value) and readable(value)]
 

@@ -42,7 +42,7 @@ def stored_tensors(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
     original pass of a module not yet verified (NOTE [results stored on a module])."""
     return [{name: id(value) if isinstance(value, torch.Tensor) or _plain_object(value) else
              _element_ids(value)
-             for name, value in d.items() if isinstance(value, torch.Tensor) or
+             for name, value in tuple(d.items()) if isinstance(value, torch.Tensor) or
              (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS) or
              _plain_object(value)} for d in dicts]
 
@@ -105,7 +105,7 @@ def stored_numbers(dicts: Sequence[dict[str, Any]], /) -> list[dict[str, Any]]:
     found = []
     for d in dicts:
         numbers: dict[str, Any] = {}
-        for name, value in d.items():
+        for name, value in tuple(d.items()):
             kind = type(value)
             if kind is int or kind is float or kind is bool:
                 numbers[name] = value
@@ -288,7 +288,7 @@ def warn_stored_scalars(owner: nn.Module, modules: Sequence[nn.Module],
     if owner.__dict__.get(_WARNED_STORED):
         return
     found = [(index, name) for index, (d, old) in enumerate(zip(dicts, before))
-             for name, value in d.items()
+             for name, value in tuple(d.items())
              if (_scalar_result(value) and old.get(name) != id(value)) or
              (isinstance(value, _HOLDERS) and name not in _MODULE_DICTS and any(
                  _scalar_result(t) and id(t) not in old.get(name, ())

@@ -486,3 +486,17 @@ def test_a_reservation_after_an_interrupted_take_back_hands_no_buffer_out_twice(
     handed = [pool.acquire(600) for _ in range(3)]
     assert len({id(b) for b in handed}) == 3
     assert pool.checked_out == 3
+
+
+def test_the_pool_stops_allocating_once_a_cycle_of_step_shapes_repeats() -> None:
+    # helper PV: steps whose lengths cycle (8, 16, 5 rows), through a real manager.
+    from tests.offload.blocks import manager, offloaded_stack, stack
+    m = manager()
+    layers = offloaded_stack(m, 4)
+    misses = []
+    for rows in [8, 16, 5] * 4:
+        stack(layers, torch.randn(rows, 32, requires_grad=True)).sum().backward()
+        stats = m.stats(reset=True)
+        misses.append(stats["pool_misses"])
+        assert stats["host_buffers_in_use"] == 0
+    assert sum(misses[3:]) == 0, misses

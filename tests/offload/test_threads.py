@@ -790,3 +790,45 @@ def test_a_pass_that_offloaded_nothing_on_a_thread_that_ended_is_warned_of_at_th
         warnings = [r.getMessage() for r in caplog.records if r.name == "offload.manager"]
         assert len(warnings) == 1 and f"the largest had {rows * 32 * 4} bytes" in warnings[0]
     loss.backward()
+
+
+def test_threads_sharing_a_manager_and_a_sliced_constant_table_give_eager_gradients() -> None:
+    # helper PV: each thread its own model, one manager, one constant table sliced per step
+    # (copied whole once per pass and thread), lengths varying by step, prefetch 2.
+    from tests.offload.blocks import Gated
+    m = manager(prefetch=2)
+    table = torch.randn(64, 32)
+    results: dict[int, bool] = {}
+
+    def train(seed: int) -> None:
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(Gated() for _ in range(3))
+        eager = nn.ModuleList(Gated() for _ in range(3))
+        eager.load_state_dict(layers.state_dict())
+        for layer in layers:
+            pytree_ckpt.apply_activation_checkpointing(layer, offload=m)
+        ok = True
+        for step in range(4):
+            gate = table[:8 + step % 2]
+            x = torch.randn(8 + step % 2, 32, requires_grad=True)
+            xe = x.detach().clone().requires_grad_()
+            for model, leaf in ((layers, x), (eager, xe)):
+                model.zero_grad()
+                h = leaf
+                for layer in model:
+                    h = layer(h, gate)
+                h.sum().backward()
+            ok &= torch.equal(x.grad, xe.grad) and all(
+                torch.equal(a.grad, b.grad) for a, b in zip(layers.parameters(),
+                                                             eager.parameters()))
+        results[seed] = ok
+
+    threads = [threading.Thread(target=train, args=(seed,)) for seed in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {0: True, 1: True}
+    stats = m.stats()
+    assert stats["host_buffers_in_use"] == 0
+    assert stats["offloaded_bytes"] == stats["restored_bytes"]

@@ -1263,3 +1263,102 @@ def test_a_window_named_by_a_proxy_to_a_function_gives_eager_gradients() -> None
         y = lin(x).relu().sum()
     y.backward()
     assert torch.equal(x.grad, eager[0]) and torch.equal(lin.weight.grad, eager[1])
+
+
+def _views_offsets(h: torch.Tensor) -> torch.Tensor:
+    return (h[2:, 3:] * h[2:, 3:].exp()).sum() + (h.t()[1:] ** 2).sum()
+
+
+def _expanded(h: torch.Tensor) -> torch.Tensor:
+    e = h[:1].expand(8, 16)
+    return (e * e.sin()).sum()
+
+
+def _as_strided(h: torch.Tensor) -> torch.Tensor:
+    a = h.as_strided((4, 5), (3, 2), 7)
+    return (a * a).sum() + h.as_strided((3, 3), (0, 1), 2).cos().sum()
+
+
+def _complex(h: torch.Tensor) -> torch.Tensor:
+    c = torch.view_as_complex(h.view(8, 8, 2))
+    return (c.conj() * c.conj().exp()).real.sum() + (c.imag * c.real.exp()).sum()
+
+
+def _bool_mask(h: torch.Tensor) -> torch.Tensor:
+    mask = h > 0  # not on the window's storage: stays
+    return torch.where(mask, h, h * 2).square().sum() + (h.masked_fill(mask, 0) * h).sum()
+
+
+class _SavesInputAndOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        out = a.exp()
+        ctx.save_for_backward(a, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        a, out = ctx.saved_tensors
+        return grad * out + a * 0
+
+
+def _custom_function(h: torch.Tensor) -> torch.Tensor:
+    return (_SavesInputAndOutput.apply(h[1:]) * h[:-1]).sum()
+
+
+@pytest.mark.parametrize("block", [_views_offsets, _expanded, _as_strided, _complex, _bool_mask,
+                                   _custom_function], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_aliases_of_every_layout_saved_in_a_window_give_eager_gradients_from_one_copy(
+        block: Any, prefetch: int) -> None:
+    # helper PV: offsets, transposes, expand, as_strided with overlapping strides, complex
+    # views with the conj bit, a bool mask beside, a custom Function saving input and output.
+    x = torch.randn(8, 16, requires_grad=True)
+    block(x * 1.0).backward()
+    expected = x.grad
+    x.grad = None
+    m = manager(prefetch=prefetch)
+    h = x * 1.0
+    with m.window([h]):
+        loss = block(h)
+    del h
+    loss.backward()
+    assert torch.equal(expected, x.grad)
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 8 * 16 * 4
+    assert stats["host_buffers_in_use"] == 0
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", [torch.complex32, torch.complex128, torch.bfloat16,
+                                   torch.float16, torch.uint16, torch.uint64, torch.int8,
+                                   torch.bool, torch.float8_e5m2, torch.bits16])
+def test_a_strided_alias_of_any_dtype_saved_by_a_custom_function_comes_back_bit_for_bit(
+        dtype: torch.dtype) -> None:
+    # helper PV: the restore views its uint8 bytes as each dtype (window.py, Handle.rebuild).
+    raw = torch.randint(0, 2 if dtype is torch.bool else 120, (512,), dtype=torch.uint8)
+    kept = (raw.bool() if dtype is torch.bool else raw.view(dtype))[3:]
+    seen: list[torch.Tensor] = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(k)
+            return a * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            seen.append(ctx.saved_tensors[0])
+            return grad * 2, None
+
+    m = manager()
+    x = torch.randn(4, requires_grad=True)
+    with m.window([kept]):
+        loss = Keep.apply(x, kept[1::2]).sum()
+    loss.backward()
+    expected = kept[1::2]
+    assert seen[0].dtype == dtype and seen[0].shape == expected.shape
+    assert seen[0].stride() == expected.stride()
+    assert torch.equal(seen[0].contiguous().view(torch.uint8),
+                       expected.contiguous().view(torch.uint8))
+    assert m.stats()["offloaded_bytes"] == kept.untyped_storage().nbytes()

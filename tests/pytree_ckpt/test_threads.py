@@ -694,3 +694,53 @@ def test_another_threads_draws_from_its_own_generator_leave_a_replays_mask_as_ea
         assert torch.equal(torch.get_rng_state(), state_eager)
     else:
         assert torch.equal(model.gen.get_state(), eager.gen.get_state())
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_another_threads_first_step_during_a_first_calls_attribute_scan_gives_eager_grads(
+        offloaded: bool) -> None:
+    # Two threads training one model (Hogwild-style; eager allows it), both at their first step.
+    # Forced interleaving: thread A's first call of the layer is inside held_generators._names,
+    # iterating the module's __dict__, when thread B runs a whole step of the same layer. B's
+    # first call stores its own caches on the module (held_generators' GENERATORS_CACHE,
+    # module_state's marks), and A's iteration raises. Unforced, 4 threads x 3 steps on fresh
+    # layers with sys.setswitchinterval(1e-6) failed 2 to 3 times in 10 (also from
+    # module_state._frozen_attributes and stored_state.stored_tensors / warn_stored_scalars).
+    from offload import OffloadConfig, OffloadManager
+    from pytree_ckpt import held_generators
+    from tests.switch_points import at_each_switch_point
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + torch.tanh(self.proj(h))
+
+    torch.manual_seed(0)
+    layer, eager = Layer(), Layer()
+    eager.load_state_dict(layer.state_dict())
+    manager = OffloadManager(OffloadConfig(min_bytes=0), device="cpu") if offloaded else False
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=manager)
+    xa = torch.randn(8, 32, requires_grad=True)
+    xb = torch.randn(8, 32, requires_grad=True)
+    done: list[bool] = []
+
+    def other_thread_step() -> None:
+        layer(xb).sum().backward()
+        done.append(True)
+
+    def at(point: int) -> None:
+        if point == 12:  # inside the generator expression over d.items()
+            thread = threading.Thread(target=other_thread_step)
+            thread.start()
+            thread.join(20)
+
+    got: list[tuple[torch.Tensor, ...]] = []
+    at_each_switch_point(
+        lambda: got.append(torch.autograd.grad(layer(xa).sum(), [xa, *layer.parameters()])),
+        at, within=held_generators._names.__code__)
+    assert done
+    expected = torch.autograd.grad(eager(xa).sum(), [xa, *eager.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(expected, got[0]))
