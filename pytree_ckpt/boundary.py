@@ -166,10 +166,14 @@ _fx_trace: Any = torch.fx._symbolic_trace  # _is_fx_tracing_flag
 
 
 def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 options: BoundaryOptions, /, *, owner: nn.Module | None = None) -> T:
+                 options: BoundaryOptions, /, *, owner: nn.Module | None = None,
+                 nested: Callable[[], None] | None = None) -> T:
     """The boundary itself; ``checkpoint`` and module wrapping both call this.
 
     ``owner`` is the module whose parameters ``fn`` uses, when the caller knows it.
+    ``nested``: called when a boundary is built inside another boundary's pass (its replay,
+    or its original pass under enable_grad: NOTE [a checkpointed layer inside a checkpointed
+    call] in module.py).
     """
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or \
             _functorch_transforms_active() \
@@ -336,6 +340,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
     elif params:
         inputs = [*unique, *params]
     active = ACTIVE.get()
+    if nested is not None and active is not None:
+        nested()
     try:
         # NOTE [a discard's rebuild opens no window] (phase.py) too
         if options.offload is None or active is not None or REBUILDING.get():

@@ -139,8 +139,10 @@ class _BoundaryFunction(torch.autograd.Function):
         sets = forward_watch(call.fn, call.owner) if preserve_rng else None
         keeping: KeepMode | None = None
         hooks = None
-        # NOTE [a gradient inside the forward reaching the graph before the call]
-        inner = InnerBackwardWatch(saved)
+        # NOTE [a gradient inside the forward reaching the graph before the call]: at a
+        # module's calls before its first replay, and at each call of a plain function.
+        inner = InnerBackwardWatch(saved) \
+            if call.owner is None or not ever_verified(call.owner) else None
         # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py)
         handles_before = handles_made()
         try:
@@ -186,13 +188,17 @@ class _BoundaryFunction(torch.autograd.Function):
             raise
         finally:
             try:
-                inner.stop()
+                if inner is not None:
+                    inner.stop()
                 if hooks is not None:
                     push_saved_hooks(hooks)
             finally:
                 ACTIVE.set(invocation.parent)
-        inner.refuse(fn_name(call.fn), _its_saved(call))
-        call.forward_hooks = ForwardHooks.found([*saved, *(call.params or ())], handles_before)
+        if inner is not None:
+            inner.refuse(fn_name(call.fn), _its_saved(call))
+        call.forward_hooks = ForwardHooks.found_since(
+            handles_before, saved, call.params or (),
+            call.modules[0] if call.modules is not None else ())
         if sets is not None:
             call.generator_sets = learned(call.fn, call.owner, sets)
         if grad_switched(tensors, needs, frozen):

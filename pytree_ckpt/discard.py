@@ -70,6 +70,7 @@ from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_f
 from .eager import DISCARD_REASON, runs_eagerly
 from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, require_callable,
                      validate_bool)
+from .forward_hooks import ForwardHooks, handles_made
 from .forward_modules import ForwardModules
 from .changed_numbers import ChangedNumbers
 from .frames import callable_name
@@ -208,6 +209,8 @@ class CheckpointWithoutOutput:
         self.reachable: list[torch.Tensor] | None = None  # see _found_reachable
         self.modules: list[nn.Module] | None = None  # fn's modules, until its forward ran
         self.forward_modules: ForwardModules | None = None
+        # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py)
+        self.forward_hooks: ForwardHooks | None = None
         # NOTE [a module rebound before the replay] (rebound.py): a plain function's modules.
         self.bound: Bound | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
@@ -573,6 +576,7 @@ class CheckpointWithoutOutput:
                     self._name(),
                     self.forward_modules.roots if self.forward_modules is not None else ()))
             args = []
+            given = []  # the tensors fn gets, by input slot
             kinds = iter(self.tensor_kinds)
             for is_tensor, other in zip(self.arg_kinds, self.non_tensor_args):
                 if not is_tensor:
@@ -590,8 +594,12 @@ class CheckpointWithoutOutput:
                 # NOTE [tensors of other layouts] in tree.py), with its class and attributes as
                 # the forward began (discard_function.py)
                 a = alias(d) if d.requires_grad else d
-                args.append(a if kind is None else alias_as_kind(a, d, kind))
+                given.append(a if kind is None else alias_as_kind(a, d, kind))
+                args.append(given[-1])
+            handles_before = handles_made()
             outputs = self.fn(*args, **self.kwargs)
+            if self.forward_hooks is not None:
+                self.forward_hooks.drop_repeated(handles_before, given)
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).
         self.changed_state = self.changed_numbers = None

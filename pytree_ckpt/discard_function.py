@@ -29,6 +29,7 @@ from .changed_numbers import ChangedNumbers, with_written
 from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
+from .forward_hooks import ForwardHooks, handles_made
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
@@ -123,13 +124,16 @@ class DiscardFunction(torch.autograd.Function):
         # mode] in rng.py, as at the boundary.
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(owner.fn, None) if owner.preserve_rng_state else None
-        try:
+        handles_before = handles_made()  # NOTE [hooks the forward registers on its parameters
+        try:  # and inputs] (forward_hooks.py), as at the boundary
             with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext(), \
                     kept_region(region) if region else nullcontext():
                 outputs = owner.fn(*args, **owner.kwargs)
         except Exception as error:
             note_no_grad_pass(error, f"the original pass of {owner._name()}")
             raise
+        owner.forward_hooks = ForwardHooks.found_since(handles_before, tensors,
+                                                       owner.params or (), roots)
         if sets is not None:
             owner.generator_sets = learned(owner.fn, None, sets)
         if grad_switched(tensors, needs, frozen):

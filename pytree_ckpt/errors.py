@@ -71,12 +71,14 @@ def validate_bool(value: object, /, *, name: str, default: bool | None = True) -
 
 
 def require_callable(fn: Any, where: str, tip: str, /, *,
-                     role: str = "the function (or module) to run behind the boundary") -> None:
+                     role: str = "the function (or module) to run behind the boundary",
+                     factory: bool = False) -> None:
     """A ``CheckpointConfigError`` unless ``fn`` is callable: ``where`` takes ``role``. A module
-    class is refused too: ``checkpoint(Block, h)`` written for ``checkpoint(block, h)`` would
-    build a module behind the boundary (helper PT), as ``apply_activation_checkpointing``
-    refuses one (refusals.require_module)."""
-    if isinstance(fn, type) and issubclass(fn, nn.Module):
+    class is refused too, unless ``factory``: ``checkpoint(Block, h)`` written for
+    ``checkpoint(block, h)`` would build a module behind the boundary (helper PT), as
+    ``apply_activation_checkpointing`` refuses one (refusals.require_module); a reused call
+    may build one on purpose (a frozen random projection made per call: helper PX)."""
+    if not factory and isinstance(fn, type) and issubclass(fn, nn.Module):
         raise CheckpointConfigError(
             f"{where} takes {role}, not a module class",
             expected="a callable: a module instance or a function",

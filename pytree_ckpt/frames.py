@@ -385,7 +385,7 @@ def reuse_during_recompute(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -
     """
     require_callable(fn, "reuse_during_recompute", "reuse_during_recompute(indexer, h) or "
                      "reuse_during_recompute(fn, h, ...): the function first, then its arguments",
-                     role="the function whose result the replay reuses")
+                     role="the function whose result the replay reuses", factory=True)
     invocation = ACTIVE.get()
     if IN_REUSE.get():
         # NOTE [reuse inside reuse]: a call made while another reused fn runs is a plain call.

@@ -26,10 +26,17 @@ __all__ = ["InnerBackwardWatch"]
 # silently (helper PS: a weight's gradient 11.2 off; an LNN rollout's 2%). Such a gradient
 # runs the node that made an input (its grad_fn) inside the forward; one that stops at the
 # inputs never does (autograd captures a gradient taken for an input at its node without
-# running it). So a pre-hook on each input's node, held for the original pass only (about a
-# microsecond an input), finds it, and the call is refused at once, naming the input. A
-# gradient that runs such a node only to feed something the outputs never use would give
-# the forward's outputs anyway; it is refused too (nothing tells it apart before backward).
+# running it). So a pre-hook on each input's node, held for the original pass only, finds
+# it, and the call is refused at once, naming the input. A gradient that runs such a node
+# only to feed something the outputs never use would give the forward's outputs anyway; it
+# is refused too (nothing tells it apart before backward). Cost: a node once hooked keeps
+# calling into Python when backward runs it, though its hook is gone (torch keeps the empty
+# hook dict): about 200,000 instructions a layer call at examples.bench_instructions' small
+# size, 3% of a step. So a module's calls are watched until its first replay (the calls of
+# the first step: a rollout, a layer called twice), a plain function's at every call; a
+# module whose inputs become related only in later steps is not refused (docs/limits.md).
+# Another thread's backward running an input's node meanwhile (one graph shared by threads
+# at once) is taken for one inside this forward.
 
 
 class InnerBackwardWatch:

@@ -45,7 +45,6 @@ from .errors import CheckpointConfigError, CheckpointError
 from .hook_outputs import remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
-from .phase import ACTIVE, Phase
 from .refusals import refuse_container, require_module
 from .tree import dunder
 
@@ -113,17 +112,22 @@ class _CheckpointedForward:
             warn_compiled_over(module, self)
         if module.__dict__.get("_compiled_call_impl") is not None:
             warn_module_compiled(module, self)
-        if "nested" not in self.told and (outer := ACTIVE.get()) is not None and \
-                outer.phase is Phase.FORWARD:
-            self.told.add("nested")
-            _log_nested(module, self.label)
         check = self.check_wrapper
         if check is None or (check and in_compiled_module_call()):
             # NOTE [compiled around the layer] in compiled_layers.py
             check_compiled_wrapper(module, self)
         forward = self.bare if self.bare is not None else \
             type(module).forward if self.static else _class_forward(module)
-        return run_boundary(forward, args, kwargs, self.options, owner=module)
+        return run_boundary(forward, args, kwargs, self.options, owner=module,
+                            nested=None if "nested" in self.told else self._nested)
+
+    def _nested(self) -> None:
+        # NOTE [a checkpointed layer inside a checkpointed call]: a boundary is being built
+        # for it inside another's pass (not where it runs plainly: frozen, no-grad).
+        self.told.add("nested")
+        module = self.module_ref()
+        if module is not None:
+            _log_nested(module, self.label)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -226,8 +230,10 @@ def _log_nested(module: nn.Module, label: str | None, /) -> None:
     times a step where eager runs it once and one boundary twice: gradients stay exact, and the
     outer boundary saves no memory over the layers' (its replay recomputes every layer input
     again). ``check_fn`` choosing both is refused at once (apply.py); two calls were silent
-    (helper PT). Warned once per layer, at its first call inside another boundary's forward,
-    the only place both orders can be seen (a list of layers names no ancestor). Logged, not
+    (helper PT). Logged once per layer, where its first boundary is built inside another
+    boundary's pass (its replay: the original pass runs the layer plainly, under no-grad; not
+    where the layer runs plainly in the replay too, frozen: helper PX), the only place both
+    orders can be seen (a list of layers names no ancestor). Logged, not
     a Python warning: nesting on purpose (a sub-block inside a layer, to lower the peak of
     the layer's own backward) is exact and documented, and the message says how to quiet
     it."""

@@ -47,8 +47,8 @@ def note_no_grad_pass(error: BaseException, where: str, /) -> None:
     """A note on an error a forward that assumes grad mode meets in an original pass, which
     runs under no-grad (``where`` names it): a hook registered on a tensor, ``retain_grad``,
     or gradients taken inside the forward (a physics-informed network's du/dx, forces =
-    -dE/dpos: torch's "does not require grad and does not have a grad_fn"). Other errors
-    pass unnoted."""
+    -dE/dpos: torch's "does not require grad and does not have a grad_fn", or "One of the
+    differentiated Tensors does not require grad": helper PW). Other errors pass unnoted."""
     text = str(error) if isinstance(error, (RuntimeError, AttributeError, AssertionError)) \
         else ""
     # A hook on a grad_fn (None under no-grad) or a multi-grad hook: helper FU.
@@ -61,7 +61,8 @@ def note_no_grad_pass(error: BaseException, where: str, /) -> None:
             "h.requires_grad: h.register_hook(...)` (or `h.retain_grad()`, "
             "`h.grad_fn.register_prehook(...)`, `register_multi_grad_hook((h,), ...)`): it "
             "then runs in the replay, whose gradients are the ones used.")
-    elif "does not require grad and does not have a grad_fn" in text:
+    elif "does not require grad and does not have a grad_fn" in text or \
+            "differentiated Tensors does not require grad" in text:  # torch.autograd.grad's
         add_note(error,
             f"pytree_ckpt: raised in {where}, which runs the forward under torch.no_grad() "
             "(the replay in backward runs it with grad). Tip: a forward that takes gradients "

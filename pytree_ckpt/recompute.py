@@ -356,8 +356,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
                 if call.forward_hooks is not None:
-                    call.forward_hooks.drop_repeated([*aliases, *(call.params or ())],
-                                                     handles_before)
+                    call.forward_hooks.drop_repeated(handles_before, aliases)
                 if first is not None:
                     first.check(call)
             if call.changed_numbers is not None and call.changed_numbers.gave_back and \

@@ -3,8 +3,10 @@ says, once."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -495,3 +497,55 @@ def test_a_detached_alias_saved_beside_its_tensor_counts_nothing_alive_elsewhere
     stats = m.stats()
     assert stats["offloaded_bytes"] == 2 * 8 * 16 * 4  # one copy each, as documented
     assert stats["alive_elsewhere_bytes"] == 0
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("where", [0, 1])  # which of two windows saves the alias beside h
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_detached_alias_in_one_of_two_windows_counts_by_hand_and_gives_eager_gradients(
+        prefetch: int, kept: bool, where: int, retain: bool) -> None:
+    # helper PX, counted by hand: window ``where`` saves h and h.detach() (two copies of one
+    # storage), the other window its own h (one copy). The last window's copies are reused at
+    # the turn; alive elsewhere is every copy whose storage the caller still holds (each copy
+    # counts its bytes, as offloaded_bytes does). A retained graph's second backward restores
+    # nothing more. Every host buffer goes back.
+    size = 8 * 16 * 4
+    m = manager(prefetch=prefetch)
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    ws = [torch.randn(8, 16, requires_grad=True) for _ in range(4)]
+
+    def run(window: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        held, h = [], x * 1.0
+        for i in range(2):
+            with window([h]):
+                t = (h * ws[2 * i]).sum()
+                if i == where:
+                    t = t + (h.detach() * ws[2 * i + 1]).sum()
+                nxt = h * 2.0 + t
+            if kept:
+                held.append(h)
+            h = nxt
+        return h.sum(), held
+
+    loss, held = run(lambda _: contextlib.nullcontext())
+    loss.backward()
+    eager = [w.grad.clone() for w in ws if w.grad is not None] + [x.grad.clone()]
+    for t in (*ws, x):
+        t.grad = None
+    del loss, held
+    loss, held = run(m.window)
+    loss.backward(retain_graph=retain)
+    if retain:
+        for t in (*ws, x):
+            t.grad = None
+        loss.backward()
+    ours = [w.grad for w in ws if w.grad is not None] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours, strict=True))
+    stats = m.stats()
+    assert stats["offloaded_bytes"] == stats["restored_bytes"] == 3 * size
+    assert stats["reused_bytes"] == (2 if where == 1 else 1) * size
+    assert stats["alive_elsewhere_bytes"] == (3 * size if kept else 0)
+    del loss, held
+    assert m.stats()["host_buffers_in_use"] == 0

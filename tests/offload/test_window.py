@@ -1362,3 +1362,23 @@ def test_a_strided_alias_of_any_dtype_saved_by_a_custom_function_comes_back_bit_
     assert torch.equal(seen[0].contiguous().view(torch.uint8),
                        expected.contiguous().view(torch.uint8))
     assert m.stats()["offloaded_bytes"] == kept.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("alias", [False, True])
+def test_an_input_changed_in_place_between_two_windows_is_refused_where_eager_refuses(
+        alias: bool) -> None:
+    # helper PX: window 0 saves h (or its .detach() alias, which shares h's counter: a copy of
+    # its own since 5237f38), h is doubled in place, window 1 saves it again: eager refuses in
+    # backward ("modified by an inplace operation"), and so does the window's first copy.
+    m = manager()
+    x = torch.randn(8, 16, requires_grad=True)
+    w1, w2 = torch.randn(8, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    h = x * 1.0
+    with m.window([h]):
+        first = (h.detach() if alias else h) * w1
+    with torch.no_grad():
+        h.mul_(2)
+    with m.window([h]):
+        second = h * w2
+    with pytest.raises(pytree_ckpt.CheckpointError, match="modified in place after it was saved"):
+        (first.sum() + second.sum()).backward()

@@ -3338,7 +3338,6 @@ def test_a_module_class_given_to_checkpoint_is_refused_as_apply_refuses_it() -> 
     h = torch.randn(2, 4, requires_grad=True)
     for call in (lambda: pytree_ckpt.checkpoint(nn.Flatten, h),
                  lambda: pytree_ckpt.checkpointed(nn.Flatten)(h),
-                 lambda: pytree_ckpt.CheckpointWithoutOutput().checkpoint(nn.Flatten, h),
-                 lambda: pytree_ckpt.reuse_during_recompute(nn.Flatten, h)):
+                 lambda: pytree_ckpt.CheckpointWithoutOutput().checkpoint(nn.Flatten, h)):
         with pytest.raises(pytree_ckpt.CheckpointConfigError, match="class Flatten"):
             call()

@@ -2234,3 +2234,47 @@ def test_checkpoint_without_output_misuse_is_refused_with_checkpoint_errors() ->
     with pytest.raises(CheckpointError, match="already used"):
         ckpt.checkpoint(norm, x)
     (x + out).sum().backward()
+
+
+class _HooksItsWeightOnce(nn.Module):
+    """A projection hook the op registers on its own weight, once, behind a flag (helper PW)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.hooked = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.hooked:
+            self.lin.weight.register_hook(lambda g: g * 0.5)
+            self.hooked = True
+        return torch.tanh(self.lin(x))
+
+
+def test_a_hook_a_discarded_op_registers_on_its_weight_runs_once() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _HooksItsWeightOnce(), nn.Linear(4, 4)
+            self.discard = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.discard:
+                return self.b(self.a(x))
+            ctx = pytree_ckpt.CheckpointWithoutOutput()
+            y = ctx.checkpoint(self.a, x)
+            z = self.b(y)
+            ctx.discard_output_and_register_recompute(z)
+            return z
+
+    torch.manual_seed(0)
+    eager = Model()
+    ours = copy.deepcopy(eager)
+    ours.discard = True
+    res = []
+    for m in (eager, ours):
+        torch.manual_seed(1)
+        s = torch.randn(6, 4, requires_grad=True)
+        m(s).pow(2).sum().backward()
+        res.append([s.grad, *(p.grad for p in m.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*res))

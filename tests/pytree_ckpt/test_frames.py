@@ -4483,3 +4483,35 @@ def test_a_proxy_output_to_a_fresh_tensor_the_layer_keeps_is_refused_naming_the_
                        match=r"weakref\.proxy to a Tensor at output\[1\], to a tensor that "
                              r"requires no grad"):
         _oc_twin(make, use, True)
+
+
+class _FrozenRandomProjection(nn.Module):
+    """A module built inside the forward as a frozen random map (its weights a buffer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_a_module_class_given_to_reuse_during_recompute_as_a_factory_gives_eager_gradients(
+        ) -> None:
+    # reuse_during_recompute(_FrozenRandomProjection, 4) builds a frozen module (a random
+    # projection drawn once a step) in the original pass and hands the replay the same one: a
+    # class is a callable whose result is a frozen object, as the docs allow. Accepted, with
+    # eager's numbers, before 74c306e; now refused as "checkpoint(Block, h) for checkpoint(block,
+    # h)", with a tip ("pass the model's module itself") that does not apply.
+    def forward(x: torch.Tensor, reuse: Callable[..., Any]) -> torch.Tensor:
+        return reuse(_FrozenRandomProjection, 4)(x).tanh()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    torch.manual_seed(0)
+    eager = forward(x, lambda f, *a: f(*a))
+    eager.sum().backward()
+    eager_grad, x.grad = x.grad, None
+    torch.manual_seed(0)
+    ours = checkpoint(forward, x, reuse_during_recompute)
+    ours.sum().backward()
+    assert torch.equal(eager, ours) and torch.equal(eager_grad, x.grad)

@@ -1578,3 +1578,97 @@ def test_a_check_fn_without_its_return_is_told_it_returned_none() -> None:
     with pytest.raises(CheckpointConfigError, match="None for all 3 modules"):
         apply_activation_checkpointing(nn.Sequential(nn.Linear(4, 4), nn.GELU()),
                                        check_fn=check_fn)
+
+
+class _EncoderThenHead(nn.Module):
+    """A model whose encoder is frozen (or run under no_grad) and whose head trains."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.enc = _CountedBlock()
+        self.head = nn.Linear(4, 4)
+        self.frozen = frozen
+        if frozen:
+            self.enc.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen:
+            t = self.enc(x)
+        else:
+            with torch.no_grad():
+                t = self.enc(x)
+        return self.head(x) * t
+
+
+def _nested_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if "called inside another checkpointed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_checkpointed_layer_running_plainly_in_a_checkpointed_model_is_not_said_to_cost_more(
+        frozen: bool, caplog: pytest.LogCaptureFixture) -> None:
+    # A frozen encoder (nothing in it can receive a gradient) or one called under no_grad runs
+    # without a boundary in both passes of the model's (NOTE [when there is no boundary]): with
+    # its own checkpointing it runs twice a step, as with the model's alone. The log fires at
+    # its first call inside the model's forward all the same, saying "each step runs its
+    # forward once more than one boundary would".
+    calls = []
+    for layers_too in (False, True):
+        torch.manual_seed(0)
+        model = _EncoderThenHead(frozen)
+        if layers_too:
+            checkpoint_layers([model.enc])
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, _EncoderThenHead))
+        _CountedBlock.calls = 0
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pytree_ckpt.module"):
+            model(torch.randn(2, 4)).sum().backward()
+        calls.append(_CountedBlock.calls)
+    assert calls[0] == calls[1] == 2
+    assert _nested_logs(caplog) == []
+
+
+def test_a_checkpointed_layer_called_from_an_output_discard_is_not_logged_as_nested(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # An output discard opens no boundary pass (ACTIVE unset): its layers' boundaries are the
+    # only ones, and nothing is said.
+    torch.manual_seed(0)
+    model = nn.Sequential(_CountedBlock(), _CountedBlock())
+    eager = copy.deepcopy(model)
+    checkpoint_layers(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with caplog.at_level("WARNING", logger="pytree_ckpt.module"):
+        for _ in range(2):
+            ckpt = pytree_ckpt.CheckpointWithoutOutput()
+            out = ckpt.checkpoint(model, x)
+            loss = (out * 2).sum()
+            ckpt.discard_output_and_register_recompute(loss)
+            loss.backward()
+    assert _nested_logs(caplog) == []
+    for _ in range(2):
+        (eager(x) * 2).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])
+
+
+def test_checkpointed_layers_called_from_a_checkpointed_function_are_logged_once_each(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # checkpoint(fn, x) whose fn calls checkpointed layers (two layers grouped by hand) nests
+    # as the model's wrapping does: three forwards a step each, told once per layer.
+    torch.manual_seed(0)
+    model = nn.Sequential(_CountedBlock(), _CountedBlock())
+    eager = copy.deepcopy(model)
+    checkpoint_layers(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    told = []
+    for _ in range(2):
+        caplog.clear()
+        _CountedBlock.calls = 0
+        with caplog.at_level("WARNING", logger="pytree_ckpt.module"):
+            pytree_ckpt.checkpoint(lambda t: model[1](model[0](t)), x).sum().backward()
+        told.append(len(_nested_logs(caplog)))
+        assert _CountedBlock.calls == 2 * 3
+    assert told == [2, 0]
+    for _ in range(2):
+        eager(x).sum().backward()
+    assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])

@@ -1,0 +1,144 @@
+"""Gradients a checkpointed layer's forward takes itself, against an eager twin bit for bit
+(helper PW; NOTE [a gradient inside the forward reaching the graph before the call] in
+pytree_ckpt/inner_backward.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import autograd, nn
+
+import pytree_ckpt
+
+
+def _against_eager(make: Callable[[], nn.Module], run: Callable[[nn.Module], list[Any]],
+                   wrap: Callable[[nn.Module], None]) -> None:
+    torch.manual_seed(0)
+    eager = make()
+    ours = copy.deepcopy(eager)
+    wrap(ours)
+    want, got = run(eager), run(ours)
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def _all_grads(m: nn.Module, s: torch.Tensor) -> list[Any]:
+    loss = m(s).pow(2).sum()
+    grads = autograd.grad(loss, [s, *m.parameters()], allow_unused=True)
+    return [loss.detach(), *(torch.zeros(()) if g is None else g for g in grads)]
+
+
+# -- findings ------------------------------------------------------------------------------
+
+class _LocalLoss(nn.Module):
+    """Forward-Forward / greedy local learning: the layer trains itself on a local loss of its
+    detached input, `.backward()` inside its forward, and passes a detached output on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            h = torch.relu(self.lin(x.detach()))
+            h.pow(2).mean().backward()
+        return self.head(h.detach()) + x
+
+
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Random numbers and modes around the call: "
+                   "a forward that calls backward() itself runs it in both passes) (helper PW)")
+def test_a_local_loss_backward_inside_the_forward_accumulates_eager_grads() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(1)
+        s = torch.randn(5, 4, requires_grad=True)
+        loss = m(s).pow(2).sum()
+        loss.backward()
+        return [loss.detach(), s.grad, *(p.grad for p in m.parameters())]
+    _against_eager(_LocalLoss, run, pytree_ckpt.apply_activation_checkpointing)
+
+
+class _Hnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(2, 8), nn.Linear(8, 1)
+
+    def forward(self, q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            energy = self.out(torch.tanh(self.lin(torch.cat([q, p], -1)))).sum()
+            dq, dp = autograd.grad(energy, (q, p), create_graph=True)
+        return q + 0.1 * dp, p - 0.1 * dq
+
+
+class _EncodedHnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.h = nn.Linear(2, 2), _Hnn()
+
+    def forward(self, s: torch.Tensor) -> torch.Tensor:
+        z = self.enc(s)
+        q, p = self.h(z[:, :1], z[:, 1:])
+        for _ in range(2):
+            q, p = self.h(q, p)
+        return q + p
+
+
+def test_a_checkpointed_model_holding_an_hnn_layer_is_told_how_to_fix_it() -> None:
+    # The whole model wrapped: the HNN layer's inputs come from the boundary's no-grad pass,
+    # so torch.autograd.grad raises "One of the differentiated Tensors does not require grad".
+    # limits.md promises a note naming the fix; notes.py matches only torch's other wording
+    # ("does not require grad and does not have a grad_fn"), so none is added.
+    torch.manual_seed(0)
+    ours = _EncodedHnn()
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    with pytest.raises(RuntimeError, match="does not require grad") as raised:
+        _all_grads(ours, torch.randn(5, 2, requires_grad=True))
+    assert "enable_grad" in "".join(getattr(raised.value, "__notes__", []))
+
+
+# -- checked, eager's numbers ----------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["chunk", "unbind", "slices"])
+def test_an_hnn_rollout_on_parts_of_one_tensor_gives_eager_gradients(how: str) -> None:
+    # q and p are outputs of one node (split / unbind) or views of one tensor: a gradient
+    # taken for them stops at their node without running it; nothing is refused.
+    class Parts(_EncodedHnn):
+        def forward(self, s: torch.Tensor) -> torch.Tensor:
+            z = self.enc(s)
+            if how == "chunk":
+                q, p = z.chunk(2, -1)
+            elif how == "unbind":
+                q, p = (t[:, None] for t in z.unbind(-1))
+            else:
+                q, p = z[:, :1], z[:, 1:]
+            for _ in range(3):
+                q, p = self.h(q, p)
+            return q + p
+
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(1)
+        return _all_grads(m, torch.randn(5, 2, requires_grad=True))
+    _against_eager(Parts, run, lambda m: pytree_ckpt.apply_activation_checkpointing(m.h))
+
+
+class _FuncGrad(nn.Module):
+    """Input derivatives by torch.func inside the forward (no torch.enable_grad needed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.vmap(torch.func.grad(lambda v: torch.tanh(self.lin(v)).sum()))(x) + x
+
+
+def test_input_derivatives_by_torch_func_inside_the_forward_give_eager_gradients() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(1)
+        s = torch.randn(5, 3, requires_grad=True)
+        loss = m(s * 1.5).pow(2).sum()
+        return [loss.detach(), *autograd.grad(loss, [s, *m.parameters()])]
+    _against_eager(_FuncGrad, run, pytree_ckpt.apply_activation_checkpointing)
