@@ -195,7 +195,7 @@ class _BoundaryFunction(torch.autograd.Function):
             finally:
                 ACTIVE.set(invocation.parent)
         if inner is not None:
-            inner.refuse(fn_name(call.fn), _its_saved(call))
+            inner.refuse(fn_name(call.fn), _its_saved(call), inputs=call.n_inputs)
         call.forward_hooks = ForwardHooks.found_since(
             handles_before, saved, call.params or (),
             call.modules[0] if call.modules is not None else ())

@@ -78,7 +78,8 @@ def saved_path(call: BoundaryCall, slot: int, /) -> str:
     NOTE [attributes set before the call] in boundary.py) by key path or attribute name."""
     return input_path(call.in_spec, call.in_tensor_index, call.in_slots, slot) \
         if slot < call.n_inputs else \
-        f"the attribute {call.attributes[slot - call.n_inputs]!r} (saved with them)"
+        f"the attribute {call.attributes[slot - call.n_inputs]!r} (set before the call by a " \
+        "forward pre-hook, saved with the call's inputs)"
 
 
 def requires_grad_flags(tensors: Sequence[torch.Tensor], /) -> list[bool]:

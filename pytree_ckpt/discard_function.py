@@ -30,6 +30,7 @@ from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_hooks import ForwardHooks, handles_made
+from .inner_backward import InnerBackwardWatch
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
@@ -45,7 +46,7 @@ from .refusals import refuse_double_backward, refuse_module_tensor
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import StateWatch, versions
 from .subclass import kind_of
-from .tree import flatten
+from .tree import dunder, flatten
 
 if TYPE_CHECKING:  # discard.py imports this module
     from .discard import CheckpointWithoutOutput
@@ -124,14 +125,29 @@ class DiscardFunction(torch.autograd.Function):
         # mode] in rng.py, as at the boundary.
         # NOTE [a forward that sets a default generator's state] (generator_sets.py)
         sets = forward_watch(owner.fn, None) if owner.preserve_rng_state else None
-        handles_before = handles_made()  # NOTE [hooks the forward registers on its parameters
-        try:  # and inputs] (forward_hooks.py), as at the boundary
+        # NOTE [a gradient inside the forward reaching the graph before the call]
+        # (inner_backward.py), as at the boundary: the rebuild runs on the inputs detached
+        # too (helper PZ: gradients halved, or a rebuild of another size). At a module's
+        # first discarded calls, at each call of a plain function not torch's own (F.silu
+        # takes no gradient itself; a node once hooked costs backward time).
+        inner = InnerBackwardWatch(tensors) if (not compared(roots) if roots else not (
+            dunder(owner.fn, "__module__") or "").startswith("torch")) else None
+        # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py)
+        handles_before = handles_made()
+        try:
             with torch.no_grad(), IsolatedPass(), sets if sets is not None else nullcontext(), \
                     kept_region(region) if region else nullcontext():
                 outputs = owner.fn(*args, **owner.kwargs)
         except Exception as error:
             note_no_grad_pass(error, f"the original pass of {owner._name()}")
             raise
+        finally:
+            if inner is not None:
+                inner.stop()
+        if inner is not None:
+            places = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            inner.refuse(owner._name(), lambda slot: f"its input args[{places[slot]}]",
+                         inputs=len(tensors))
         owner.forward_hooks = ForwardHooks.found_since(handles_before, tensors,
                                                        owner.params or (), roots)
         if sets is not None:

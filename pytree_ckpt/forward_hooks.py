@@ -17,35 +17,38 @@ from .tree import dunder
 __all__ = ["ForwardHooks", "handles_made"]
 
 # NOTE [hooks the forward registers on its parameters and inputs]: a forward may register a
-# gradient hook on its own parameter (an OGD-style projection registered once behind a flag,
-# or at every call with the handle kept for removal after the step; a post-accumulate hook),
-# on its input (a gradient reversal, `h.register_hook(lambda g: -0.5 * g)`), or a module hook
-# on a submodule (`register_full_backward_hook` behind a flag). Eager registers it once. The
-# original pass registers it too, on the same parameter, module and caller's tensor: there
-# it runs as eager's. The replay (and an output discard's rebuild) runs the forward again,
-# with the flags as the forward began, and registered each a second time (on the parameter
-# or module; on its input's alias, whose gradient then reached the caller's tensor through
-# the boundary's node and its hook again): a projection applied twice, a reversal undone
-# (helper PU: gradients 0.5x eager's, -0.5x upstream; helper PW: a module hook), and a
-# handle the replay's code kept in a list the replay's end rolls back, so one hook leaked a
-# step (0.5x, 0.25x, 0.125x). Every hook handle torch makes takes the next number of one
-# counter (``RemovableHandle.next_id``), also its key in the hook dict: two reads of it
-# around the original pass tell, at no other cost, whether anything was registered, and the
-# keys in between which hooks the pass registered where. Each is kept by its key and what
-# it runs (its function's code: a lambda made anew at each call has one), and right after
-# the replay's forward, the replay's registrations there that run the same code are removed,
-# one for each of the original pass's: those run once, where the original pass put them. One
-# the replay's forward removed itself (a forward replacing its previous call's hook through
-# the handle it kept: the replay reads the handle the original pass stored, helper PX) is put
-# back under its own key, which that handle, kept on the module as the forward left it,
-# removes at the next call. A hook the original pass did
-# not make (registered only `if torch.is_grad_enabled()`) is the replay's alone, and stays
-# (after the original pass's in the dict: where hooks that do not commute are mixed so, they
-# run in another order than eager's, docs/limits.md). Hooks torch's own tools and this library register (FSDP, module
-# trackers, the boundary's own recorders) are theirs to manage, and never touched. Not
-# covered (docs/limits.md): a hook on an input's node (`x.grad_fn.register_prehook`), whose
-# dict Python cannot read; and the original pass's hook still on a parameter while the
-# replay's forward runs, seen by a gradient the forward takes of that parameter itself.
+# gradient hook on its own parameter (an OGD-style projection registered once behind a flag, or at
+# every call with the handle kept for removal after the step; a post-accumulate hook), on its
+# input (a gradient reversal, `h.register_hook(lambda g: -0.5 * g)`), or a module hook on a
+# submodule (`register_full_backward_hook` behind a flag). Eager registers it once. The original
+# pass registers it too, on the same parameter, module and caller's tensor: there it runs as
+# eager's. The replay (and an output discard's rebuild) runs the forward again, with the flags as
+# the forward began, and registered each a second time (on the parameter or module; on its input's
+# alias, whose gradient then reached the caller's tensor through the boundary's node and its hook
+# again): a projection applied twice, a reversal undone (helper PU: gradients 0.5x eager's, -0.5x
+# upstream; helper PW: a module hook), and a handle the replay's code kept in a list the replay's
+# end rolls back, so one hook leaked a step (0.5x, 0.25x, 0.125x). Every hook handle torch makes
+# takes the next number of one counter (``RemovableHandle.next_id``), also its key in the hook
+# dict: two reads of it around the original pass tell, at no other cost, whether anything was
+# registered, and the keys in between which hooks the pass registered where. Each is kept by its
+# key and what it runs (its function's code, with the plain values a partial binds, its closure
+# holds or a hook object's attributes are: a lambda made anew at each call has one code; helper
+# PY: `partial(scale, 3.0)` and `partial(scale, 0.5)` are two), and right after the replay's
+# forward, the replay's registrations there that run the same are removed, one for each of the
+# original pass's: those run once, where the original pass put them. The replay's forward
+# registers no hook, and removes none either: a forward replacing its previous call's hook through
+# the handle it kept reads, in the replay, the handle the latest forward stored, and removed that
+# hook (helper PX; with a layer called twice a step, the later call's: helper PY), so the user's
+# hooks there it removed are put back under their keys, which the handles kept on the module
+# remove at the next call. A hook the original pass did not make (registered only `if
+# torch.is_grad_enabled()`) is the replay's alone, and stays (after the original pass's in the
+# dict: where hooks that do not commute are mixed so, they run in another order than eager's,
+# docs/limits.md). Hooks torch's own tools and this library register (FSDP, module trackers, the
+# boundary's own recorders) are theirs to manage, and never touched. Not covered (docs/limits.md):
+# a hook on an input's node (`x.grad_fn.register_prehook`), whose dict Python cannot read; and the
+# original pass's hook still on a parameter while the replay's forward runs, seen by a gradient
+# the forward takes of that parameter itself; a module hook the replay's forward registers, which
+# the submodule's call in that replay takes with the original pass's (both run there).
 
 _TENSOR_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _MODULE_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -57,6 +60,8 @@ _NOT_USERS = ("torch.", "pytree_ckpt.", "offload.")
 # (where: a slot of the call's inputs, or the parameter or module itself; the dict's name;
 # each registration there: its key, what it runs and the hook)
 _Found = tuple[Any, str, list[tuple[int, Any, Any]]]
+# (a hook dict, its entries, and a module's option dicts with their entries)
+_Held = tuple[dict[Any, Any], dict[Any, Any], list[tuple[dict[Any, Any], dict[Any, Any]]]]
 
 
 def handles_made() -> int:
@@ -64,18 +69,40 @@ def handles_made() -> int:
     return RemovableHandle.next_id
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _plain(values: Iterable[Any], /) -> tuple[Any, ...]:
+    """The plain values among ``values``, in order (others, tensors among them, by kind)."""
+    return tuple(v if type(v) in _PLAIN else type(v) for v in values)
+
+
 def _runs(hook: Any, /) -> Any:
     """What ``hook`` runs, to tell a repeat of it: its function's code (a partial's, a bound
-    method's), or its class; None for torch's and this library's own."""
+    method's) or its class, with the plain values it is given (a partial's arguments, its
+    closure, a hook object's attributes); None for torch's and this library's own."""
     while type(hook) in (ParameterHook, SkipsNoGradient):  # our wrappers, in place
         hook = hook.hook
+    bound: tuple[Any, ...] = ()
     while isinstance(hook, functools.partial):
+        bound += _plain(hook.args) + _plain(sorted(hook.keywords.items()))
         hook = hook.func
     hook = getattr(hook, "__func__", hook)
     if (dunder(hook, "__module__") or "").startswith(_NOT_USERS):
         return None
     code = dunder(hook, "__code__")
-    return code if code is not None else type(hook)
+    if code is None:  # a hook object: its class and its plain attributes
+        held = dunder(hook, "__dict__")
+        return type(hook), bound, _plain(sorted(held.items())) if isinstance(held, dict) else ()
+    cells = dunder(hook, "__closure__") or ()
+    return code, bound, _plain(_cell(c) for c in cells)
+
+
+def _cell(cell: Any, /) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _registered(hooks: Any, since: int, until: int, /) -> list[tuple[int, Any, Any]]:
@@ -97,6 +124,20 @@ class ForwardHooks:
     def __init__(self, found: list[_Found], /) -> None:
         self.found = found
 
+    def before_replay(self) -> list[_Held]:
+        """Right before the replay's forward: the hooks on the parameters and modules the
+        original pass registered on (and a module's options for them), for
+        ``drop_repeated`` to put back the user's hooks the replay removes (NOTE above)."""
+        seen: list[_Held] = []
+        for where, name, _ in self.found:
+            hooks = getattr(where, name, None) if type(where) is not int else None
+            if hooks and not any(hooks is d for d, _, _ in seen):
+                extras = [(d, dict(d)) for extra in _MODULE_EXTRAS
+                          if isinstance(d := getattr(where, extra, None), dict)] \
+                    if isinstance(where, nn.Module) else []
+                seen.append((hooks, dict(hooks), extras))
+        return seen
+
     @staticmethod
     def found_since(since: int, inputs: Sequence[torch.Tensor],
                     params: Sequence[torch.Tensor], roots: Iterable[nn.Module], /
@@ -117,9 +158,18 @@ class ForwardHooks:
                     found.append((where, name, registered))
         return ForwardHooks(found) if found else None
 
-    def drop_repeated(self, since: int, inputs: Sequence[torch.Tensor], /) -> None:
-        """After the replay's forward (``inputs``: the aliases it gave the forward, by slot):
-        its registrations since handle ``since`` that repeat the original pass's, removed."""
+    def drop_repeated(self, since: int, inputs: Sequence[torch.Tensor],
+                      before: list[_Held], /) -> None:
+        """After the replay's forward (``inputs``: the aliases it gave the forward, by slot;
+        ``before``: what ``before_replay`` read): its registrations since handle ``since``
+        that repeat the original pass's, removed; the user's hooks it removed, put back."""
+        for hooks, held, extras in before:
+            for key, hook in held.items():
+                if key not in hooks and _runs(hook) is not None:
+                    hooks[key] = hook
+                    for extra, options in extras:  # with_kwargs, always_call
+                        if key in options:
+                            extra[key] = options[key]
         until = RemovableHandle.next_id
         if until == since:
             return
@@ -127,29 +177,17 @@ class ForwardHooks:
             if type(where) is int:
                 if where >= len(inputs):
                     continue
-                holder: Any = inputs[where]
-                # The original pass's are on the caller's tensor, not this alias: each repeats.
-                left = [(what, None) for _, what, _ in originals]
+                holder: Any = inputs[where]  # (the original pass's are on the caller's tensor)
             else:
                 holder = where
-                held = getattr(holder, name, None) or {}
-                # (what it runs, and the original to put back where the replay removed it)
-                left = [(what, None if key in held else (key, hook))
-                        for key, what, hook in originals]
-            hooks = getattr(holder, name, None)
-            for key, what, _ in _registered(hooks, since, until):
-                match = next((entry for entry in left if entry[0] == what), None)
-                if match is None:
-                    continue
-                left.remove(match)
-                del hooks[key]
-                extras = [getattr(holder, extra, {}) for extra in _MODULE_EXTRAS] \
-                    if isinstance(holder, nn.Module) else []
-                if match[1] is not None:
-                    original, hook = match[1]
-                    hooks[original] = hook
-                    for extra in extras:
-                        if key in extra:
-                            extra[original] = extra[key]
-                for extra in extras:
-                    extra.pop(key, None)
+            registered = getattr(holder, name, None)
+            if not registered:
+                continue
+            left = [what for _, what, _ in originals]
+            for key, what, _ in _registered(registered, since, until):
+                if what in left:
+                    left.remove(what)
+                    del registered[key]
+                    if isinstance(holder, nn.Module):
+                        for option in _MODULE_EXTRAS:
+                            getattr(holder, option, {}).pop(key, None)

@@ -60,12 +60,15 @@ class InnerBackwardWatch:
             handle.remove()
         self.handles = []
 
-    def refuse(self, where: str, path: Callable[[int], str], /) -> None:
+    def refuse(self, where: str, path: Callable[[int], str], /, *, inputs: int) -> None:
         """After the pass: refuse if a backward inside it ran an input's node. ``path(slot)``
-        names the input (``its input args[1]``); ``where`` the call."""
+        names the input (``its input args[1]``); ``where`` the call; slots from ``inputs`` on
+        are attributes a forward pre-hook set (NOTE [attributes set before the call] in
+        boundary.py)."""
         if not self.reached:
             return
         names = list(dict.fromkeys(path(slot) for slot in self.reached))
+        attribute = any(slot >= inputs for slot in self.reached)
         which = names[0] if len(names) == 1 else " and ".join(names)
         raise CheckpointError(
             f"{where} took a gradient inside its forward (torch.autograd.grad or backward() "
@@ -76,10 +79,14 @@ class InnerBackwardWatch:
             "through them would not be eager's",
             expected="a gradient inside the forward that stops at the call's inputs",
             got=f"{which} reached by it (the node that computed it ran inside the forward)",
-            tip="compute the related tensors inside the call, in its torch.enable_grad() "
-                "block (layer(x) computing y = 2 * x there, not layer(x, 2 * x)); or pass "
-                ".detach() of an input whose history that gradient should not follow; or "
-                "leave this layer unwrapped")
+            tip=("compute it inside the call: for the weight the old "
+                 "torch.nn.utils.weight_norm or spectral_norm sets, use "
+                 "torch.nn.utils.parametrizations' weight_norm (spectral_norm), whose weight "
+                 "is computed in the forward; " if attribute else
+                 "compute the related tensors inside the call, in its torch.enable_grad() "
+                 "block (layer(x) computing y = 2 * x there, not layer(x, 2 * x)); ") +
+                "or leave this layer unwrapped (passing .detach() of the input would change "
+                "the model: no gradient would flow through it)")
 
 
 def _reached(reached: list[int], slot: int, grad_outputs: Any, /) -> None:

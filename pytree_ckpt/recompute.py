@@ -322,6 +322,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 HookTables.replay(call.hook_tables, call.hook_dicts, call.hook_epoch)
             # NOTE [hooks the forward registers on its parameters and inputs]
             handles_before = handles_made() if call.forward_hooks is not None else 0
+            hooks_held = call.forward_hooks.before_replay() \
+                if call.forward_hooks is not None else []
             with numbers:
                 if not (shadow or call.attributes or call.options.keep is not None or
                         call.hooked_outputs is not None or call.changed_state is not None
@@ -356,7 +358,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
                 if call.forward_hooks is not None:
-                    call.forward_hooks.drop_repeated(handles_before, aliases)
+                    call.forward_hooks.drop_repeated(handles_before, aliases, hooks_held)
                 if first is not None:
                     first.check(call)
             if call.changed_numbers is not None and call.changed_numbers.gave_back and \

@@ -2278,3 +2278,121 @@ def test_a_hook_a_discarded_op_registers_on_its_weight_runs_once() -> None:
         m(s).pow(2).sum().backward()
         res.append([s.grad, *(p.grad for p in m.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*res))
+
+
+# Helper PZ: an op that takes a gradient inside its forward (under torch.enable_grad()) that
+# flows past an input into the graph that computed it (`op(h, 2 * h)` taking d/dh): the
+# boundary refuses it at the call (inner_backward.py), the output discard's rebuild runs it on
+# detached aliases and rebuilds another output.
+class _InnerGradOp(nn.Module):
+    def __init__(self, via_cat: bool) -> None:
+        super().__init__()
+        self.via_cat = via_cat
+        self.w = nn.Parameter(torch.tensor([0.7, -0.4]))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            if self.via_cat:  # the gradient is a slice of a (5, 2) buffer in the rebuild
+                u = torch.tanh(torch.cat([x, y], -1) * self.w).sum()
+            else:
+                u = (torch.tanh(x * y) * self.w[0]).sum() + self.w[1] * x.sum()
+            return torch.autograd.grad(u, x, create_graph=True)[0]
+
+
+def _inner_grad_step(op: nn.Module, discard: bool) -> list[torch.Tensor]:
+    zero_grads(op.parameters())
+    torch.manual_seed(1)
+    s = torch.randn(5, 1, requires_grad=True)
+    h = s * 1.5
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        out = ckpt.checkpoint(op, h, 2 * h)
+        z = (out * 3).pow(2)
+        ckpt.discard_output_and_register_recompute(z)
+    else:
+        z = (op(h, 2 * h) * 3).pow(2)
+    loss = z.sum()
+    loss.backward()
+    assert s.grad is not None and op.w.grad is not None
+    return [loss.detach(), s.grad.clone(), op.w.grad.clone()]
+
+
+@pytest.mark.parametrize("via_cat", [False, True], ids=["elementwise", "through_cat"])
+def test_a_discarded_op_taking_a_gradient_past_an_input_is_refused_or_gives_eager_gradients(
+        via_cat: bool) -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(via_cat)
+    eager = _inner_grad_step(op, discard=False)
+    try:
+        ours = _inner_grad_step(op, discard=True)
+    except CheckpointError as refused:  # as checkpoint(op, h, 2 * h) refuses it
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_a_checkpointed_op_taking_a_gradient_past_an_input_is_refused_naming_it() -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    torch.manual_seed(1)
+    h = torch.randn(5, 1, requires_grad=True) * 1.5
+    with pytest.raises(CheckpointError, match="took a gradient inside its forward") as refused:
+        pytree_ckpt.checkpoint(op, h, 2 * h)
+    assert "its input args[1]" in str(refused.value)
+
+
+class _ReplacesItsWeightHook(nn.Module):
+    """A hook the op registers on its weight at every call, the previous call's removed first
+    through the handle it kept (helper PY)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+        self.ran = 0
+
+    def _halve(self, g: torch.Tensor) -> torch.Tensor:
+        self.ran += 1
+        return g * 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(self._halve)
+        return torch.tanh(self.lin(x))
+
+
+def test_a_hook_replaced_at_every_call_of_an_op_discarded_twice_a_step_runs_once() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _ReplacesItsWeightHook(), nn.Linear(4, 4)
+            self.discard = False
+
+        def one(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.discard:
+                return self.b(self.a(x))
+            ctx = pytree_ckpt.CheckpointWithoutOutput()
+            y = ctx.checkpoint(self.a, x)
+            z = self.b(y)
+            ctx.discard_output_and_register_recompute(z)
+            return z
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.one(self.one(x))
+
+    torch.manual_seed(0)
+    eager = Model()
+    ours = copy.deepcopy(eager)
+    ours.discard = True
+    for step in range(3):
+        torch.manual_seed(step)
+        s = torch.randn(6, 4)
+        res = []
+        for m in (eager, ours):
+            m.zero_grad()
+            m.a.ran = 0
+            m(s).pow(2).sum().backward()
+            res.append([*(p.grad for p in m.parameters())])
+        assert ours.a.ran == eager.a.ran == 1
+        assert all(torch.equal(a, b) for a, b in zip(*res))

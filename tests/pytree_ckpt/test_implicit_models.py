@@ -495,3 +495,104 @@ def test_an_inner_gradient_step_on_the_layers_weight_called_twice_is_refused() -
     with pytest.raises(pytree_ckpt.CheckpointError, match=_REACHED) as refused:
         _inner_grads(ours, 2)
     assert "its input args[0]" in str(refused.value)
+
+
+# Helper PZ: the refusal names kwargs and nested keys, a plain function's boundary refuses
+# alike, and common models whose inputs are non-leaf (chunks of one tensor) are not refused.
+class _DuDxKw(_DuDx):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None,  # type: ignore[override]
+                d: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        if d is not None:
+            x, y = d["a"], d["b"]
+        assert y is not None
+        return super().forward(x, y)
+
+
+@pytest.mark.parametrize("how", ["kwarg", "dict_key", "plain_function"])
+def test_a_gradient_inside_past_an_input_is_refused_naming_the_kwarg_or_the_key(how: str) -> None:
+    torch.manual_seed(0)
+    layer = _DuDxKw()
+    s = torch.randn(5, 1, requires_grad=True)
+    with pytest.raises(pytree_ckpt.CheckpointError, match=_REACHED) as refused:
+        if how == "plain_function":
+            def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return layer(x, y)
+            pytree_ckpt.checkpoint(fn, s, 2 * s)
+        else:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+            if how == "kwarg":
+                layer(s, y=2 * s)
+            else:
+                layer(None, d={"a": s, "b": 2 * s})
+    want = {"kwarg": "its input kwargs['y']", "dict_key": "its input kwargs['d']['b']",
+            "plain_function": "its input args[1]"}[how]
+    assert want in str(refused.value)
+
+
+class _PinnResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            u = self.net(torch.cat([x, t], -1))
+            u_x, u_t = autograd.grad(u.sum(), (x, t), create_graph=True)
+            u_xx = autograd.grad(u_x.sum(), x, create_graph=True)[0]
+        return u_t - 0.1 * u_xx + u * u_x
+
+
+def test_a_pinn_on_collocation_points_chunked_from_one_non_leaf_gives_eager_gradients() -> None:
+    def grads(m: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        xn = ((torch.rand(16, 2) - 0.5) * 0.5).requires_grad_()
+        x, t = torch.chunk(xn * 3.0, 2, dim=-1)  # non-leaf inputs sharing one SplitBackward
+        loss = m(x, t).pow(2).mean()
+        return [loss.detach(), *autograd.grad(loss, [xn, *m.parameters()])]
+    torch.manual_seed(0)
+    eager = _PinnResidual()
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    assert _same(grads(eager), grads(ours)) and _same(grads(eager), grads(ours))
+
+
+class _WeightNormInnerStep(nn.Linear):
+    """An inner step on the weight's direction, taken inside the forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            w = self.weight
+            v = self.parametrizations.weight.original1 if hasattr(self, "parametrizations") \
+                else self.weight_v
+            g = autograd.grad((x @ w.t()).pow(2).mean(), v, retain_graph=True)[0]
+        return torch.tanh(x @ (w - 0.1 * g).t() + self.bias)
+
+
+def _wn_grads(m: nn.Module) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    loss = m(torch.randn(3, 4)).sum()
+    return [loss.detach(), *autograd.grad(loss, list(m.parameters()))]
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated:FutureWarning")
+def test_an_inner_step_through_a_pre_hook_attribute_is_refused_naming_it() -> None:
+    # The deprecated weight_norm computes `weight` in a forward pre-hook, outside the call: it
+    # is saved with the inputs, and the inner gradient for weight_v runs its node.
+    torch.manual_seed(0)
+    layer = torch.nn.utils.weight_norm(_WeightNormInnerStep(4, 4))
+    pytree_ckpt.apply_activation_checkpointing(layer)
+    with pytest.raises(pytree_ckpt.CheckpointError, match=_REACHED) as refused:
+        _wn_grads(layer)
+    assert "the attribute 'weight'" in str(refused.value)
+
+
+def test_an_inner_step_through_a_parametrized_weight_gives_eager_gradients() -> None:
+    # The same layer with torch.nn.utils.parametrizations.weight_norm: the weight is computed
+    # inside the call, and the result is eager's.
+    torch.manual_seed(0)
+    base = _WeightNormInnerStep(4, 4)
+    twin = copy.deepcopy(base)
+    eager = torch.nn.utils.parametrizations.weight_norm(base)
+    ours = torch.nn.utils.parametrizations.weight_norm(twin)
+    pytree_ckpt.apply_activation_checkpointing(ours)
+    assert _same(_wn_grads(eager), _wn_grads(ours))

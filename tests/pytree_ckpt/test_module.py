@@ -1610,9 +1610,9 @@ def test_a_checkpointed_layer_running_plainly_in_a_checkpointed_model_is_not_sai
         frozen: bool, caplog: pytest.LogCaptureFixture) -> None:
     # A frozen encoder (nothing in it can receive a gradient) or one called under no_grad runs
     # without a boundary in both passes of the model's (NOTE [when there is no boundary]): with
-    # its own checkpointing it runs twice a step, as with the model's alone. The log fires at
-    # its first call inside the model's forward all the same, saying "each step runs its
-    # forward once more than one boundary would".
+    # its own checkpointing it runs twice a step, as with the model's alone. The log (which
+    # said "each step runs its forward once more than one boundary would" at its first call,
+    # helper PX) fires only where an inner boundary is built.
     calls = []
     for layers_too in (False, True):
         torch.manual_seed(0)
