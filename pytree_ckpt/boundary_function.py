@@ -194,7 +194,7 @@ class _BoundaryFunction(torch.autograd.Function):
                     push_saved_hooks(hooks)
             finally:
                 ACTIVE.set(invocation.parent)
-        if inner is not None:
+        if inner is not None and inner.reached:  # (names built only to refuse: helper QB)
             inner.refuse(fn_name(call.fn), _its_saved(call), inputs=call.n_inputs)
         call.forward_hooks = ForwardHooks.found_since(
             handles_before, saved, call.params or (),

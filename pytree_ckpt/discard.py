@@ -71,6 +71,7 @@ from .eager import DISCARD_REASON, runs_eagerly
 from .errors import (CheckpointConfigError, CheckpointError, ReplayMismatchError, require_callable,
                      validate_bool)
 from .forward_hooks import ForwardHooks, handles_made
+from .inner_backward import mark_discard_rebuilt
 from .forward_modules import ForwardModules
 from .changed_numbers import ChangedNumbers
 from .frames import callable_name
@@ -605,6 +606,13 @@ class CheckpointWithoutOutput:
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).
         self.changed_state = self.changed_numbers = None
+        # NOTE [hooks the forward registers on its parameters and inputs]: served too (a kept
+        # discard object held the hooks' closures and parameters: helper QB); and this
+        # module's later calls need no watch of NOTE [a gradient inside the forward reaching
+        # the graph before the call] (inner_backward.py).
+        self.forward_hooks = None
+        if self.forward_modules is not None:
+            mark_discard_rebuilt(self.forward_modules.roots)
         self.tensor_kinds = []  # attributes may hold tensors (helper MQ)
         if watched is not None and param_before is not None:  # its own moves, counted
             assert self.params is not None

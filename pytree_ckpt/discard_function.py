@@ -30,7 +30,7 @@ from .discard_aliases import made_outside
 from .discard_refusals import refuse_grad_switched, refuse_input_changed, refuse_output
 from .errors import CheckpointError
 from .forward_hooks import ForwardHooks, handles_made
-from .inner_backward import InnerBackwardWatch
+from .inner_backward import InnerBackwardWatch, discard_rebuilt
 from .forward_modules import ForwardModules
 from .forward_numbers import NumbersWatch, numbers_read
 from .generator_sets import forward_watch, learned
@@ -128,9 +128,9 @@ class DiscardFunction(torch.autograd.Function):
         # NOTE [a gradient inside the forward reaching the graph before the call]
         # (inner_backward.py), as at the boundary: the rebuild runs on the inputs detached
         # too (helper PZ: gradients halved, or a rebuild of another size). At a module's
-        # first discarded calls, at each call of a plain function not torch's own (F.silu
-        # takes no gradient itself; a node once hooked costs backward time).
-        inner = InnerBackwardWatch(tensors) if (not compared(roots) if roots else not (
+        # calls until its first rebuild, at each call of a plain function not torch's own
+        # (F.silu takes no gradient itself; a node once hooked costs backward time).
+        inner = InnerBackwardWatch(tensors) if (not discard_rebuilt(roots) if roots else not (
             dunder(owner.fn, "__module__") or "").startswith("torch")) else None
         # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py)
         handles_before = handles_made()
@@ -144,7 +144,7 @@ class DiscardFunction(torch.autograd.Function):
         finally:
             if inner is not None:
                 inner.stop()
-        if inner is not None:
+        if inner is not None and inner.reached:  # (names built only to refuse: helper QB)
             places = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
             inner.refuse(owner._name(), lambda slot: f"its input args[{places[slot]}]",
                          inputs=len(tensors))

@@ -4,6 +4,7 @@ modules (NOTE [hooks the forward registers on its parameters and inputs])."""
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,24 +32,27 @@ __all__ = ["ForwardHooks", "handles_made"]
 # takes the next number of one counter (``RemovableHandle.next_id``), also its key in the hook
 # dict: two reads of it around the original pass tell, at no other cost, whether anything was
 # registered, and the keys in between which hooks the pass registered where. Each is kept by its
-# key and what it runs (its function's code, with the plain values a partial binds, its closure
-# holds or a hook object's attributes are: a lambda made anew at each call has one code; helper
-# PY: `partial(scale, 3.0)` and `partial(scale, 0.5)` are two), and right after the replay's
-# forward, the replay's registrations there that run the same are removed, one for each of the
-# original pass's: those run once, where the original pass put them. The replay's forward
-# registers no hook, and removes none either: a forward replacing its previous call's hook through
-# the handle it kept reads, in the replay, the handle the latest forward stored, and removed that
-# hook (helper PX; with a layer called twice a step, the later call's: helper PY), so the user's
-# hooks there it removed are put back under their keys, which the handles kept on the module
-# remove at the next call. A hook the original pass did not make (registered only `if
-# torch.is_grad_enabled()`) is the replay's alone, and stays (after the original pass's in the
-# dict: where hooks that do not commute are mixed so, they run in another order than eager's,
-# docs/limits.md). Hooks torch's own tools and this library register (FSDP, module trackers, the
-# boundary's own recorders) are theirs to manage, and never touched. Not covered (docs/limits.md):
-# a hook on an input's node (`x.grad_fn.register_prehook`), whose dict Python cannot read; and the
-# original pass's hook still on a parameter while the replay's forward runs, seen by a gradient
-# the forward takes of that parameter itself; a module hook the replay's forward registers, which
-# the submodule's call in that replay takes with the original pass's (both run there).
+# key, the dict it is in, and what it runs: its function's code with the plain values it is given
+# (a partial's arguments, its closure and defaults, a hook object's or a bound method's instance's
+# attributes: helpers PY, QA found `partial(scale, 3.0)` and `partial(scale, 0.5)`, `lambda g,
+# k=k`, taken for one). Right after the replay's forward, the replay's registrations that repeat
+# the original pass's are removed, one for each: those giving the same values first, then by code
+# alone (a value bound anew in each pass, a call number, still finds its repeat: helper QA). The
+# replay's forward leaves no hook removed either: a forward replacing its previous call's hook
+# through the handle it kept reads, in the replay, the handle the latest forward stored, and
+# removed that hook (helper PX; a layer called twice a step, the later call's: helper PY; on the
+# caller's input tensor: helper QA), so the user's hooks it removed from the dicts the original
+# pass registered in are put back, in their places (helper QA: hooks that do not commute) and with
+# a module's options, under their keys, which the handles kept on the module remove at the next
+# call. A hook the original pass did not make (registered only `if torch.is_grad_enabled()`) is
+# the replay's alone, and stays (after the original pass's in the dict: where hooks that do not
+# commute are mixed so, they run in another order than eager's, docs/limits.md). Hooks torch's own
+# tools and this library register (FSDP, module trackers, the boundary's own recorders) are theirs
+# to manage, and never touched. Not covered (docs/limits.md): a hook on an input's node
+# (`x.grad_fn.register_prehook`), whose dict Python cannot read; the original pass's hook still on
+# a parameter while the replay's forward runs, seen by a gradient the forward takes of that
+# parameter itself; a module hook the replay's forward registers, which the submodule's call in
+# that replay takes with the original pass's (both run there).
 
 _TENSOR_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _MODULE_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -58,8 +62,8 @@ _MODULE_EXTRAS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"
 _NOT_USERS = ("torch.", "pytree_ckpt.", "offload.")
 
 # (where: a slot of the call's inputs, or the parameter or module itself; the dict's name;
-# each registration there: its key, what it runs and the hook)
-_Found = tuple[Any, str, list[tuple[int, Any, Any]]]
+# each registration there: its key, what it runs and the hook; the dict it is in)
+_Found = tuple[Any, str, list[tuple[int, Any, Any]], dict[Any, Any]]
 # (a hook dict, its entries, and a module's option dicts with their entries)
 _Held = tuple[dict[Any, Any], dict[Any, Any], list[tuple[dict[Any, Any], dict[Any, Any]]]]
 
@@ -77,25 +81,36 @@ def _plain(values: Iterable[Any], /) -> tuple[Any, ...]:
     return tuple(v if type(v) in _PLAIN else type(v) for v in values)
 
 
-def _runs(hook: Any, /) -> Any:
+def _named(items: Any, /) -> tuple[Any, ...]:
+    """``_plain`` of a mapping's values, with their names, in name order."""
+    return tuple((name, *_plain((value,))) for name, value in sorted(items.items()))
+
+
+def _runs(hook: Any, /) -> tuple[Any, tuple[Any, ...]] | None:
     """What ``hook`` runs, to tell a repeat of it: its function's code (a partial's, a bound
-    method's) or its class, with the plain values it is given (a partial's arguments, its
-    closure, a hook object's attributes); None for torch's and this library's own."""
+    method's) or its class, and the plain values it is given (a partial's arguments, its
+    closure and defaults, a hook object's or a bound method's instance's attributes); None
+    for torch's and this library's own."""
     while type(hook) in (ParameterHook, SkipsNoGradient):  # our wrappers, in place
         hook = hook.hook
-    bound: tuple[Any, ...] = ()
+    given: tuple[Any, ...] = ()
     while isinstance(hook, functools.partial):
-        bound += _plain(hook.args) + _plain(sorted(hook.keywords.items()))
+        given += _plain(hook.args) + _named(hook.keywords)
         hook = hook.func
-    hook = getattr(hook, "__func__", hook)
+    if isinstance(hook, types.MethodType):  # its instance's plain attributes, as an object's
+        held = dunder(hook.__self__, "__dict__")
+        given += _named(held) if isinstance(held, dict) else ()
+        hook = hook.__func__
     if (dunder(hook, "__module__") or "").startswith(_NOT_USERS):
         return None
     code = dunder(hook, "__code__")
     if code is None:  # a hook object: its class and its plain attributes
         held = dunder(hook, "__dict__")
-        return type(hook), bound, _plain(sorted(held.items())) if isinstance(held, dict) else ()
-    cells = dunder(hook, "__closure__") or ()
-    return code, bound, _plain(_cell(c) for c in cells)
+        return type(hook), given + (_named(held) if isinstance(held, dict) else ())
+    cells = tuple(_cell(c) for c in dunder(hook, "__closure__") or ())
+    kwdefaults = dunder(hook, "__kwdefaults__")
+    return code, given + _plain(cells) + _plain(dunder(hook, "__defaults__") or ()) + (
+        _named(kwdefaults) if isinstance(kwdefaults, dict) else ())
 
 
 def _cell(cell: Any, /) -> Any:
@@ -107,7 +122,7 @@ def _cell(cell: Any, /) -> Any:
 
 def _registered(hooks: Any, since: int, until: int, /) -> list[tuple[int, Any, Any]]:
     """The user's hooks in ``hooks`` registered between handle numbers ``since`` and
-    ``until``: each key, what it runs, and the hook."""
+    ``until``: each key, what it runs (``_runs``), and the hook."""
     if not hooks:
         return []
     found = [(key, _runs(hook), hook) for key, hook in tuple(hooks.items())
@@ -117,26 +132,13 @@ def _registered(hooks: Any, since: int, until: int, /) -> list[tuple[int, Any, A
 
 class ForwardHooks:
     """NOTE above: what the original pass registered, on the call's inputs (by slot) and on
-    its parameters and modules (held: the call holds them until its replay anyway)."""
+    its parameters and modules (held: the call holds them until its replay anyway), with the
+    hook dict it registered in (an input's: the caller's tensor's)."""
 
     __slots__ = ("found",)
 
     def __init__(self, found: list[_Found], /) -> None:
         self.found = found
-
-    def before_replay(self) -> list[_Held]:
-        """Right before the replay's forward: the hooks on the parameters and modules the
-        original pass registered on (and a module's options for them), for
-        ``drop_repeated`` to put back the user's hooks the replay removes (NOTE above)."""
-        seen: list[_Held] = []
-        for where, name, _ in self.found:
-            hooks = getattr(where, name, None) if type(where) is not int else None
-            if hooks and not any(hooks is d for d, _, _ in seen):
-                extras = [(d, dict(d)) for extra in _MODULE_EXTRAS
-                          if isinstance(d := getattr(where, extra, None), dict)] \
-                    if isinstance(where, nn.Module) else []
-                seen.append((hooks, dict(hooks), extras))
-        return seen
 
     @staticmethod
     def found_since(since: int, inputs: Sequence[torch.Tensor],
@@ -154,26 +156,53 @@ class ForwardHooks:
                   *((m, m, _MODULE_DICTS) for root in roots for m in root.modules())]
         for where, holder, names in places:
             for name in names:
-                if registered := _registered(getattr(holder, name, None), since, until):
-                    found.append((where, name, registered))
+                hooks = getattr(holder, name, None)
+                if registered := _registered(hooks, since, until):
+                    assert hooks is not None
+                    found.append((where, name, registered, hooks))
         return ForwardHooks(found) if found else None
+
+    def before_replay(self) -> list[_Held]:
+        """Right before the replay's forward: the hook dicts the original pass registered in
+        (and a module's options for them), for ``drop_repeated`` to put back the user's hooks
+        the replay removes (NOTE above)."""
+        seen: list[_Held] = []
+        for where, _, _, hooks in self.found:
+            if not any(hooks is d for d, _, _ in seen):
+                extras = [(d, dict(d)) for extra in _MODULE_EXTRAS
+                          if isinstance(d := getattr(where, extra, None), dict)] \
+                    if isinstance(where, nn.Module) else []
+                seen.append((hooks, dict(hooks), extras))
+        return seen
 
     def drop_repeated(self, since: int, inputs: Sequence[torch.Tensor],
                       before: list[_Held], /) -> None:
         """After the replay's forward (``inputs``: the aliases it gave the forward, by slot;
-        ``before``: what ``before_replay`` read): its registrations since handle ``since``
-        that repeat the original pass's, removed; the user's hooks it removed, put back."""
+        ``before``: what ``before_replay`` read): the user's hooks it removed, put back where
+        they were; its registrations since handle ``since`` that repeat the original pass's,
+        removed (those giving the same plain values first, then by code alone: a value
+        that differs per pass, a call number, still finds its repeat)."""
         for hooks, held, extras in before:
-            for key, hook in held.items():
-                if key not in hooks and _runs(hook) is not None:
-                    hooks[key] = hook
-                    for extra, options in extras:  # with_kwargs, always_call
-                        if key in options:
-                            extra[key] = options[key]
+            back = [key for key, hook in held.items()
+                    if key not in hooks and _runs(hook) is not None]
+            if not back:
+                continue
+            for key in back:
+                hooks[key] = held[key]
+                for extra, options in extras:  # with_kwargs, always_call
+                    if key in options:
+                        extra[key] = options[key]
+            # In their places among the others (helper QA: hooks that do not commute, run
+            # in another order than eager's): the same dict object, which torch holds.
+            order = [key for key in held if key in hooks] + \
+                [key for key in hooks if key not in held]
+            entries = [(key, hooks[key]) for key in order]
+            hooks.clear()
+            hooks.update(entries)
         until = RemovableHandle.next_id
         if until == since:
             return
-        for where, name, originals in self.found:
+        for where, name, originals, _ in self.found:
             if type(where) is int:
                 if where >= len(inputs):
                     continue
@@ -184,10 +213,19 @@ class ForwardHooks:
             if not registered:
                 continue
             left = [what for _, what, _ in originals]
-            for key, what, _ in _registered(registered, since, until):
+            made = _registered(registered, since, until)
+            repeats = []
+            for key, what, _ in made:  # the same values first
                 if what in left:
                     left.remove(what)
-                    del registered[key]
-                    if isinstance(holder, nn.Module):
-                        for option in _MODULE_EXTRAS:
-                            getattr(holder, option, {}).pop(key, None)
+                    repeats.append(key)
+            for key, what, _ in made:  # then by code alone
+                if key not in repeats and (
+                        match := next((w for w in left if w[0] == what[0]), None)) is not None:
+                    left.remove(match)
+                    repeats.append(key)
+            for key in repeats:
+                del registered[key]
+                if isinstance(holder, nn.Module):
+                    for option in _MODULE_EXTRAS:
+                        getattr(holder, option, {}).pop(key, None)

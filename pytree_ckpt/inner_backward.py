@@ -9,10 +9,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from .errors import CheckpointError
+from .module_state import structure_generation
 
-__all__ = ["InnerBackwardWatch"]
+__all__ = ["InnerBackwardWatch", "discard_rebuilt", "mark_discard_rebuilt"]
 
 # NOTE [a gradient inside the forward reaching the graph before the call]: a forward may take
 # gradients itself under torch.enable_grad() (a physics-informed network's du/dx, a
@@ -34,7 +36,10 @@ __all__ = ["InnerBackwardWatch"]
 # hook dict): about 200,000 instructions a layer call at examples.bench_instructions' small
 # size, 3% of a step. So a module's calls are watched until its first replay (the calls of
 # the first step: a rollout, a layer called twice), a plain function's at every call; a
-# module whose inputs become related only in later steps is not refused (docs/limits.md).
+# module whose inputs become related only in later steps is not refused (docs/limits.md). An
+# output discard's module, likewise until its first rebuild (``mark_discard_rebuilt``: its
+# first discarded call is not enough, a second call in the same step may relate its inputs,
+# helper QB).
 # Another thread's backward running an input's node meanwhile (one graph shared by threads
 # at once) is taken for one inside this forward.
 
@@ -91,3 +96,19 @@ class InnerBackwardWatch:
 
 def _reached(reached: list[int], slot: int, grad_outputs: Any, /) -> None:
     reached.append(slot)
+
+
+_REBUILT = "_pytree_ckpt_discard_rebuilt"
+
+
+def discard_rebuilt(roots: Sequence[nn.Module], /) -> bool:
+    """Whether an output discard of ``roots`` was rebuilt, for their trees as they are (NOTE
+    above: its calls are watched until then)."""
+    generation = structure_generation()
+    return all(root.__dict__.get(_REBUILT) == generation for root in roots)
+
+
+def mark_discard_rebuilt(roots: Sequence[nn.Module], /) -> None:
+    generation = structure_generation()
+    for root in roots:
+        root.__dict__[_REBUILT] = generation

@@ -1382,3 +1382,30 @@ def test_an_input_changed_in_place_between_two_windows_is_refused_where_eager_re
         second = h * w2
     with pytest.raises(pytree_ckpt.CheckpointError, match="modified in place after it was saved"):
         (first.sum() + second.sum()).backward()
+
+
+def test_reuse_records_and_copies_are_gone_after_each_step_of_a_checkpointed_stack() -> None:
+    # Helper QB: the Reused record (NOTE [reuse at the turn]) lives with its copies only; the
+    # storage a step reuses (the stack's input, which the caller keeps) counts as alive
+    # elsewhere once per step, as before the record.
+    import gc
+
+    from offload import OffloadConfig, OffloadManager
+    from offload.window import Copy, Reused
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                 for _ in range(4))
+    manager = OffloadManager(OffloadConfig(min_bytes=0))
+    pytree_ckpt.checkpoint_layers(layers, offload=manager)
+    x = torch.randn(2, 8, requires_grad=True)
+    for step in range(1, 4):
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+        del h
+        gc.collect()
+        assert not any(type(o) in (Copy, Reused) for o in gc.get_objects())
+        stats = manager.stats()
+        assert stats["reused_bytes"] == step * x.untyped_storage().nbytes()
+        assert stats["alive_elsewhere_bytes"] == step * x.untyped_storage().nbytes()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -2396,3 +2398,230 @@ def test_a_hook_replaced_at_every_call_of_an_op_discarded_twice_a_step_runs_once
             res.append([*(p.grad for p in m.parameters())])
         assert ours.a.ran == eager.a.ran == 1
         assert all(torch.equal(a, b) for a, b in zip(*res))
+
+
+# Helper QB: the per-call work the inner-backward watch and the forward-hook record add to an
+# output discard (pytree_ckpt/discard_function.py, inner_backward.py, forward_hooks.py).
+def _two_inner_grad_calls(op: nn.Module, discard: bool) -> list[torch.Tensor]:
+    """The op called twice in one step: first on unrelated inputs, then `op(h, 2 * h)`."""
+    zero_grads(op.parameters())
+    torch.manual_seed(1)
+    s = torch.randn(5, 1, requires_grad=True)
+    t = torch.randn(5, 1, requires_grad=True)
+    h = s * 1.5
+    if discard:
+        first = CheckpointWithoutOutput()
+        z1 = (first.checkpoint(op, t, s * 0.5) * 3).pow(2)
+        first.discard_output_and_register_recompute(z1)
+        second = CheckpointWithoutOutput()
+        z2 = (second.checkpoint(op, h, 2 * h) * 3).pow(2)
+        second.discard_output_and_register_recompute(z2)
+    else:
+        z1 = (op(t, s * 0.5) * 3).pow(2)
+        z2 = (op(h, 2 * h) * 3).pow(2)
+    loss = z1.sum() + z2.sum()
+    loss.backward()
+    assert s.grad is not None and t.grad is not None and op.w.grad is not None
+    return [loss.detach(), s.grad.clone(), t.grad.clone(), op.w.grad.clone()]
+
+
+def test_a_discarded_module_called_twice_taking_a_gradient_past_an_input_is_refused_or_eager(
+        ) -> None:
+    # The boundary refuses the same two calls (checkpoint(op, t, s * 0.5), then
+    # checkpoint(op, h, 2 * h)): its watch runs until the module's first replay.
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    eager = _two_inner_grad_calls(op, discard=False)
+    try:
+        ours = _two_inner_grad_calls(op, discard=True)
+    except CheckpointError as refused:
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_the_boundary_refuses_a_module_called_twice_taking_a_gradient_past_an_input() -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    torch.manual_seed(1)
+    s = torch.randn(5, 1, requires_grad=True)
+    t = torch.randn(5, 1, requires_grad=True)
+    h = s * 1.5
+    pytree_ckpt.checkpoint(op, t, s * 0.5)
+    with pytest.raises(CheckpointError, match="took a gradient inside its forward"):
+        pytree_ckpt.checkpoint(op, h, 2 * h)
+
+
+class _KeepsItsHookHandle(nn.Module):
+    """An OGD-style projection registered once on its weight, its closure holding a basis; the
+    caller removes it after the step through the handle kept on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+        self.basis_ref: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is None:
+            basis = torch.ones(256)
+            self.basis_ref = weakref.ref(basis)
+            self.handle = self.lin.weight.register_hook(lambda g: g * basis[0])
+        return torch.tanh(self.lin(x))
+
+
+def _basis_alive_after_removal(discard: bool) -> tuple[bool, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    m = _KeepsItsHookHandle()
+    x = torch.randn(2, 4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()  # kept, as a layer keeps its checkpoint object
+    if discard:
+        out = ckpt.checkpoint(m, x) * 2
+        ckpt.discard_output_and_register_recompute(out)
+    else:
+        out = m(x) * 2
+    out.sum().backward()
+    grads = [x.grad.clone(), *(p.grad.clone() for p in m.parameters())]
+    m.handle.remove()
+    del out
+    gc.collect()
+    return m.basis_ref() is not None, grads
+
+
+def test_a_kept_discard_holds_no_hook_its_forward_registered_after_the_rebuild() -> None:
+    alive_eager, want = _basis_alive_after_removal(discard=False)
+    alive_ours, got = _basis_alive_after_removal(discard=True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not alive_eager
+    assert alive_ours == alive_eager
+
+
+def test_a_discarded_modules_inner_backward_watch_stops_after_its_first_rebuild(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [a gradient inside the forward reaching the graph before the call]: a node once
+    # hooked costs backward time, so a module's calls after its first rebuild are not watched
+    # (every call of the first step is: a second one may relate its inputs, helpers QA, QB).
+    import pytree_ckpt.discard_function as discard_function
+    made: list[int] = []
+    real = discard_function.InnerBackwardWatch
+
+    def counted(tensors: Any) -> Any:
+        made.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(discard_function, "InnerBackwardWatch", counted)
+    torch.manual_seed(0)
+    norm, lin = nn.LayerNorm(8), nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    per_step = []
+    for _ in range(3):
+        made.clear()
+        h = x
+        for _ in range(3):
+            ckpt = CheckpointWithoutOutput()
+            h = lin(ckpt.checkpoint(norm, h)) + h
+            ckpt.discard_output_and_register_recompute(h)
+        h.sum().backward()
+        per_step.append(len(made))
+    assert per_step == [3, 0, 0]
+
+
+# -- helper QA ---------------------------------------------------------------------------------
+
+def _inner_grad_two_calls(op: nn.Module, discard: bool) -> list[torch.Tensor]:
+    """One step, the op called twice: first on unrelated inputs, then on `(h, 2 * h)`."""
+    zero_grads(op.parameters())
+    torch.manual_seed(1)
+    s = torch.randn(5, 1, requires_grad=True)
+    t = torch.randn(5, 1, requires_grad=True)
+    h = s * 1.5
+    loss = torch.zeros(())
+    for a, b in ((h, t * 0.5), (h, 2 * h)):
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(op, a, b)
+            z = (out * 3).pow(2)
+            ckpt.discard_output_and_register_recompute(z)
+        else:
+            z = (op(a, b) * 3).pow(2)
+        loss = loss + z.sum()
+    loss.backward()
+    assert s.grad is not None and t.grad is not None and op.w.grad is not None
+    return [loss.detach(), s.grad.clone(), t.grad.clone(), op.w.grad.clone()]
+
+
+def test_a_discarded_op_called_twice_taking_a_gradient_past_its_second_calls_input_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    eager = _inner_grad_two_calls(op, discard=False)
+    try:
+        ours = _inner_grad_two_calls(op, discard=True)
+    except CheckpointError as refused:  # as two checkpoint(op, ...) calls refuse it
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_a_boundary_called_twice_taking_a_gradient_past_its_second_calls_input_is_refused(
+        ) -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    torch.manual_seed(1)
+    h = torch.randn(5, 1, requires_grad=True) * 1.5
+    pytree_ckpt.checkpoint(op, h, torch.randn(5, 1, requires_grad=True))
+    with pytest.raises(CheckpointError, match="took a gradient inside its forward") as refused:
+        pytree_ckpt.checkpoint(op, h, 2 * h)
+    assert "its input args[1]" in str(refused.value)
+
+
+class _Swish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+def _swish(x: torch.Tensor) -> torch.Tensor:
+    return _Swish.apply(x)
+
+
+@pytest.mark.parametrize("which", ["layer_norm", "rms_norm", "gelu_def", "custom_function",
+                                   "custom_function_apply", "compiled_aot_eager"])
+def test_common_discarded_ops_on_inputs_with_a_history_are_not_refused_and_give_eager_gradients(
+        which: str) -> None:
+    ops: dict[str, Callable[[], Any]] = {
+        "layer_norm": lambda: nn.LayerNorm(4),
+        "rms_norm": lambda: nn.RMSNorm(4),
+        "gelu_def": lambda: (lambda x: torch.nn.functional.gelu(x) * 2),
+        "custom_function": lambda: _swish,
+        "custom_function_apply": lambda: _Swish.apply,
+        "compiled_aot_eager": lambda: torch.compile(
+            lambda x: torch.nn.functional.gelu(x) * 2, backend="aot_eager"),
+    }
+    torch.manual_seed(0)
+    op = ops[which]()
+    res = []
+    for discard in (False, True):
+        torch.manual_seed(1)
+        s = torch.randn(2, 3, 4, requires_grad=True)
+        lin = nn.Linear(4, 4)
+        for _ in range(2):
+            h = lin(s) * 1.5
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                y = ckpt.checkpoint(op, h)
+                z = (y * 3).tanh()
+                ckpt.discard_output_and_register_recompute(z)
+            else:
+                z = (op(h) * 3).tanh()
+            z.pow(2).sum().backward()
+        res.append([s.grad, *(p.grad for p in lin.parameters()),
+                    *(p.grad for p in (op.parameters() if isinstance(op, nn.Module) else ()))])
+    assert all(torch.equal(a, b) for a, b in zip(*res))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -642,3 +643,224 @@ def test_a_hook_on_a_shared_module_replaced_by_each_layer_gives_eager_gradients(
             m.zero_grad()
         return got
     _against_eager(_TwoShare, run, wrap=wrap)
+
+
+# -- helper QA ---------------------------------------------------------------------------------
+
+class _OwnHandleOnShared(nn.Module):
+    """Each layer replaces its own hook on a weight two layers share, its handle kept on the
+    layer; the two layers' hooks do not commute."""
+
+    def __init__(self, shared: nn.Linear, doubles: bool) -> None:
+        super().__init__()
+        self.lin, self.shared, self.doubles = nn.Linear(4, 4), shared, doubles
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        if self.doubles:
+            self.handle = self.shared.weight.register_hook(lambda g: g * 2 + 1)
+        else:
+            self.handle = self.shared.weight.register_hook(lambda g: g * 3)
+        return self.shared(self.lin(x).tanh())
+
+
+class _TwoOwnHandles(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(4, 4)
+        self.l1, self.l2 = _OwnHandleOnShared(shared, True), _OwnHandleOnShared(shared, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(x))
+
+
+def test_hooks_each_layer_replaces_on_a_shared_weight_keep_eager_order_and_gradients() -> None:
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.l1)
+        pytree_ckpt.apply_activation_checkpointing(m.l2)
+
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(3):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(3, 4))
+            m.zero_grad()
+        return got
+    _against_eager(_TwoOwnHandles, run, wrap=wrap)
+
+
+def _times(g: torch.Tensor, k: float) -> torch.Tensor:
+    return g * k
+
+
+class _Times:
+    """A hook object: its factor an attribute."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        return g * self.k
+
+    def hook(self, g: torch.Tensor) -> torch.Tensor:
+        return g * self.k
+
+
+class _GuardedOfOneKind(nn.Module):
+    """_GuardedPartials with other ways of binding the factor."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kind = kind
+        self.done = False
+
+    def _make(self, k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.kind == "keyword_partial":
+            return functools.partial(_times, k=k)
+        if self.kind == "hook_object":
+            return _Times(k)
+        if self.kind == "bound_method":
+            return _Times(k).hook
+        return lambda g, k=k: g * k  # a default argument (the loop idiom)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.done:
+            if torch.is_grad_enabled():
+                self.lin.weight.register_hook(self._make(3.0))
+            self.lin.weight.register_hook(self._make(0.5))
+            self.done = True
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("kind", ["keyword_partial", "hook_object"])
+def test_guarded_and_unguarded_hooks_bound_by_keyword_or_attribute_give_eager_gradients(
+        kind: str) -> None:
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(1)
+        return _grads(m, torch.randn(6, 4))
+    _against_eager(lambda: _GuardedOfOneKind(kind), run)
+
+
+@pytest.mark.parametrize("kind", ["default_argument", "bound_method"])
+def test_guarded_and_unguarded_hooks_bound_by_default_or_instance_give_eager_gradients(
+        kind: str) -> None:
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(1)
+        return _grads(m, torch.randn(6, 4))
+    _against_eager(lambda: _GuardedOfOneKind(kind), run)
+
+
+class _TagsItsHook(nn.Module):
+    """Replaces its weight's hook at every call, the hook tagged with a call number from an
+    iterator (or a clock) the replay does not put back: a logging pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.ids = itertools.count()
+        self.handle: Any = None
+        self.seen: list[int] = []
+
+    def _log(self, call: int, g: torch.Tensor) -> torch.Tensor:
+        self.seen.append(call)
+        return g * 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(functools.partial(self._log, next(self.ids)))
+        return torch.tanh(self.lin(x))
+
+
+def test_a_hook_tagged_with_a_call_number_runs_once_and_leaks_none() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(2):
+            torch.manual_seed(step)
+            m.seen = []
+            got += _grads(m, torch.randn(3, 4))
+            got += [len(m.seen), len(m.lin.weight._backward_hooks)]
+            m.zero_grad()
+        return got
+    _against_eager(_TagsItsHook, run)
+
+
+class _RemovesTheLoopsHook(nn.Module):
+    """Replaces its own hook on its weight at every call and, at its third call, removes for
+    good a hook the training loop registered there (its handle given to the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+        self.loop_handle: Any = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(lambda g: g * 0.5)
+        if self.calls == 3 and self.loop_handle is not None:
+            self.loop_handle.remove()
+        return self.lin(x).tanh()
+
+
+def test_a_training_loop_hook_the_forward_removes_for_good_is_not_put_back() -> None:
+    def make() -> nn.Module:
+        m = _RemovesTheLoopsHook()
+        return m
+
+    def run(m: nn.Module) -> list[Any]:
+        m.loop_handle = m.lin.weight.register_hook(lambda g: g * 2 + 1)
+        got: list[Any] = []
+        for step in range(4):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(3, 4))
+            got.append(len(m.lin.weight._backward_hooks))
+            m.zero_grad()
+        return got
+    _against_eager(make, run)
+
+
+class _ReplacesItsInputHook(nn.Module):
+    """A gradient reversal on its input, registered at every call, the previous call's hook
+    removed first through the handle it kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        if x.requires_grad:
+            self.handle = x.register_hook(lambda g: -0.5 * g)
+        return self.lin(x).tanh()
+
+
+class _BeforeReversal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.m = nn.Linear(4, 4), _ReplacesItsInputHook()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m(self.a(x))
+
+
+def test_a_reversal_hook_replaced_at_every_call_on_the_input_gives_eager_gradients() -> None:
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.m)
+
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(3):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(3, 4))
+            m.zero_grad()
+        return got
+    _against_eager(_BeforeReversal, run, wrap=wrap)

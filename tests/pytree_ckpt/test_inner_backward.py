@@ -142,3 +142,91 @@ def test_input_derivatives_by_torch_func_inside_the_forward_give_eager_gradients
         loss = m(s * 1.5).pow(2).sum()
         return [loss.detach(), *autograd.grad(loss, [s, *m.parameters()])]
     _against_eager(_FuncGrad, run, pytree_ckpt.apply_activation_checkpointing)
+
+
+# -- per-call cost (helper QB) ---------------------------------------------------------------
+
+def _decoder_like(n: int = 4) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n))
+
+
+def _count_watches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import pytree_ckpt.boundary_function as boundary_function
+    made: list[int] = []
+    real = boundary_function.InnerBackwardWatch
+
+    def counted(tensors: Any) -> Any:
+        made.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(boundary_function, "InnerBackwardWatch", counted)
+    return made
+
+
+@pytest.mark.parametrize("how", ["checkpoint_layers", "checkpoint_module", "bound_call"])
+def test_a_modules_inner_backward_watch_is_off_after_its_first_replay(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    made = _count_watches(monkeypatch)
+    layers = _decoder_like()
+    if how == "checkpoint_layers":
+        pytree_ckpt.checkpoint_layers(layers, offload=False)
+    x = torch.randn(2, 8, requires_grad=True)
+    per_step = []
+    for _ in range(3):
+        made.clear()
+        h = x
+        for layer in layers:
+            h = layer(h) if how == "checkpoint_layers" else pytree_ckpt.checkpoint(
+                layer if how == "checkpoint_module" else layer.__call__, h)
+        h.sum().backward()
+        per_step.append(len(made))
+    assert per_step == [4, 0, 0]
+
+
+def test_no_hook_record_is_scanned_or_kept_when_the_forward_registers_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [hooks the forward registers on its parameters and inputs]: two reads of
+    # RemovableHandle.next_id, nothing else, even with a module backward hook on a submodule.
+    import pytree_ckpt.forward_hooks as forward_hooks
+    scanned: list[int] = []
+    real = forward_hooks._registered
+
+    def counted(*args: Any) -> Any:
+        scanned.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(forward_hooks, "_registered", counted)
+    layers = _decoder_like()
+    for layer in layers:
+        layer[0].register_full_backward_hook(lambda m, gi, go: None)
+    pytree_ckpt.checkpoint_layers(layers, offload=False)
+    x = torch.randn(2, 8, requires_grad=True)
+    for _ in range(2):
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.sum().backward()
+    assert scanned == []
+
+
+def test_a_plain_functions_call_names_nothing_when_nothing_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pytree_ckpt.boundary_function as boundary_function
+    named: list[str] = []
+    real = boundary_function.fn_name
+
+    def counted(fn: Any) -> str:
+        named.append(real(fn))
+        return named[-1]
+
+    monkeypatch.setattr(boundary_function, "fn_name", counted)
+    layers = _decoder_like()
+    x = torch.randn(2, 8, requires_grad=True)
+    for _ in range(2):
+        named.clear()
+        h = x
+        for layer in layers:
+            h = pytree_ckpt.checkpoint(lambda t, layer=layer: layer(t), h)
+        h.sum().backward()
+    assert named == []
