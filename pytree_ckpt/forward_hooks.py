@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -77,8 +78,12 @@ _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
 def _plain(values: Iterable[Any], /) -> tuple[Any, ...]:
-    """The plain values among ``values``, in order (others, tensors among them, by kind)."""
-    return tuple(v if type(v) in _PLAIN else type(v) for v in values)
+    """The plain values among ``values``, in order; a tensor or module by identity (a
+    parameter, or a buffer, bound by a partial is the same object in both passes: helper QC);
+    other objects by kind."""
+    return tuple(v if type(v) in _PLAIN else
+                 (type(v), id(v)) if isinstance(v, (torch.Tensor, nn.Module)) else type(v)
+                 for v in values)
 
 
 def _named(items: Any, /) -> tuple[Any, ...]:
@@ -86,13 +91,39 @@ def _named(items: Any, /) -> tuple[Any, ...]:
     return tuple((name, *_plain((value,))) for name, value in sorted(items.items()))
 
 
+# The hooks the original passes registered (weakly: they go with their dicts), the only ones a
+# replay's forward puts back where it removed them: a hook the caller registered, which the
+# forward removes only under grad (eager's forward does; the original pass, under no-grad,
+# does not), stays removed (helper QC).
+_MADE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _unwrapped(hook: Any, /) -> Any:
+    while type(hook) in (ParameterHook, SkipsNoGradient):  # our wrappers, in place
+        hook = hook.hook
+    return hook
+
+
+def _made(hook: Any, /) -> None:
+    try:
+        _MADE.add(hook)
+    except TypeError:  # not weakly referable, or not hashable: never put back
+        pass
+
+
+def _was_made(hook: Any, /) -> bool:
+    try:
+        return _unwrapped(hook) in _MADE
+    except TypeError:
+        return False
+
+
 def _runs(hook: Any, /) -> tuple[Any, tuple[Any, ...]] | None:
     """What ``hook`` runs, to tell a repeat of it: its function's code (a partial's, a bound
     method's) or its class, and the plain values it is given (a partial's arguments, its
     closure and defaults, a hook object's or a bound method's instance's attributes); None
     for torch's and this library's own."""
-    while type(hook) in (ParameterHook, SkipsNoGradient):  # our wrappers, in place
-        hook = hook.hook
+    hook = _unwrapped(hook)
     given: tuple[Any, ...] = ()
     while isinstance(hook, functools.partial):
         given += _plain(hook.args) + _named(hook.keywords)
@@ -160,6 +191,8 @@ class ForwardHooks:
                 if registered := _registered(hooks, since, until):
                     assert hooks is not None
                     found.append((where, name, registered, hooks))
+                    for _, _, hook in registered:
+                        _made(hook)
         return ForwardHooks(found) if found else None
 
     def before_replay(self) -> list[_Held]:
@@ -184,7 +217,7 @@ class ForwardHooks:
         that differs per pass, a call number, still finds its repeat)."""
         for hooks, held, extras in before:
             back = [key for key, hook in held.items()
-                    if key not in hooks and _runs(hook) is not None]
+                    if key not in hooks and _was_made(hook)]
             if not back:
                 continue
             for key in back:
@@ -193,12 +226,15 @@ class ForwardHooks:
                     if key in options:
                         extra[key] = options[key]
             # In their places among the others (helper QA: hooks that do not commute, run
-            # in another order than eager's): the same dict object, which torch holds.
+            # in another order than eager's), in the same dict object, which torch holds:
+            # the entries from the first one out of place taken out and put in again, each
+            # a step of its own (no instant with the dict empty).
             order = [key for key in held if key in hooks] + \
                 [key for key in hooks if key not in held]
-            entries = [(key, hooks[key]) for key in order]
-            hooks.clear()
-            hooks.update(entries)
+            now = list(hooks)
+            first = next((i for i, (a, b) in enumerate(zip(order, now)) if a != b), len(order))
+            for key in order[first:]:
+                hooks[key] = hooks.pop(key)
         until = RemovableHandle.next_id
         if until == since:
             return

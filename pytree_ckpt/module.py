@@ -224,8 +224,8 @@ class _CheckpointedForward:
 
 
 def _log_nested(module: nn.Module, label: str | None, /) -> None:
-    """NOTE [a checkpointed layer inside a checkpointed call]: a layer checkpointed and then
-    its model too (``checkpoint_layers(model.layers)`` and ``apply_activation_checkpointing(
+    """NOTE [a checkpointed layer inside a checkpointed call]: a layer checkpointed and then its
+    model too (``checkpoint_layers(model.layers)`` and ``apply_activation_checkpointing(
     model)``, in either order, or ``checkpoint(model, x)``) runs each layer's forward three
     times a step where eager runs it once and one boundary twice: gradients stay exact, and the
     outer boundary saves no memory over the layers' (its replay recomputes every layer input
@@ -233,10 +233,9 @@ def _log_nested(module: nn.Module, label: str | None, /) -> None:
     (helper PT). Logged once per layer, where its first boundary is built inside another
     boundary's pass (its replay: the original pass runs the layer plainly, under no-grad; not
     where the layer runs plainly in the replay too, frozen: helper PX), the only place both
-    orders can be seen (a list of layers names no ancestor). Logged, not
-    a Python warning: nesting on purpose (a sub-block inside a layer, to lower the peak of
-    the layer's own backward) is exact and documented, and the message says how to quiet
-    it."""
+    orders can be seen (a list of layers names no ancestor). Logged, not a Python warning:
+    nesting on purpose (a sub-block inside a layer, to lower the peak of the layer's own
+    backward) is exact and documented, and the message says how to quiet it."""
     name = f"{type(module).__name__} ({label})" if label else type(module).__name__
     logger.warning(
         "the checkpointed %s was called inside another checkpointed call (its model, or a "

@@ -2625,3 +2625,36 @@ def test_common_discarded_ops_on_inputs_with_a_history_are_not_refused_and_give_
         res.append([s.grad, *(p.grad for p in lin.parameters()),
                     *(p.grad for p in (op.parameters() if isinstance(op, nn.Module) else ()))])
     assert all(torch.equal(a, b) for a, b in zip(*res))
+
+
+# -- helper QC ---------------------------------------------------------------------------------
+
+def test_a_copy_of_a_rebuilt_discard_module_is_refused_or_eager_as_a_fresh_one() -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    s = torch.randn(5, 1, requires_grad=True)
+    t = torch.randn(5, 1, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    z = (ckpt.checkpoint(op, t, s * 0.5) * 3).pow(2)  # unrelated inputs: rebuilt, not refused
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    copied = copy.deepcopy(op)  # an EMA teacher, a grown model: a module of its own
+    eager = _inner_grad_step(copy.deepcopy(op), discard=False)
+    try:
+        ours = _inner_grad_step(copied, discard=True)
+    except CheckpointError as refused:  # as a fresh module and the boundary's copy are
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_a_copy_of_a_replayed_module_is_refused_at_the_boundary() -> None:
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    s = torch.randn(5, 1, requires_grad=True)
+    t = torch.randn(5, 1, requires_grad=True)
+    pytree_ckpt.checkpoint(op, t, s * 0.5).pow(2).sum().backward()
+    copied = copy.deepcopy(op)
+    h = s * 1.5
+    with pytest.raises(CheckpointError, match="took a gradient inside its forward"):
+        pytree_ckpt.checkpoint(copied, h, 2 * h)

@@ -864,3 +864,151 @@ def test_a_reversal_hook_replaced_at_every_call_on_the_input_gives_eager_gradien
             m.zero_grad()
         return got
     _against_eager(_BeforeReversal, run, wrap=wrap)
+
+
+# -- helper QC ---------------------------------------------------------------------------------
+
+def _times_tensor(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return g * t
+
+
+class _GuardedTensorBound(nn.Module):
+    """_GuardedOfOneKind with the factor a tensor (a buffer) the partial binds: the two
+    registrations look alike by plain values (a tensor counts by its kind), and they commute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("a", torch.full((4, 4), 3.0))
+        self.register_buffer("b", torch.full((4, 4), 0.5))
+        self.done = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.done:
+            if torch.is_grad_enabled():
+                self.lin.weight.register_hook(functools.partial(_times_tensor, self.b))
+            self.lin.weight.register_hook(functools.partial(_times_tensor, self.a))
+            self.done = True
+        return torch.tanh(self.lin(x))
+
+
+def test_guarded_and_unguarded_hooks_bound_to_tensors_give_eager_gradients() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(1)
+        return _grads(m, torch.randn(6, 4))
+    _against_eager(_GuardedTensorBound, run)
+
+
+class _DropsWarmupHookUnderGrad(nn.Module):
+    """Removes a warm-up hook the caller registered, guarded by grad mode (as limits.md
+    advises for side effects), and replaces its own hook on the same weight at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+        self.warmup: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.warmup is not None:
+            self.warmup.remove()
+            self.warmup = None
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(lambda g: g * 0.5)
+        return torch.tanh(self.lin(x))
+
+
+def _with_warmup_hook(m: nn.Module) -> list[Any]:
+    m.warmup = m.lin.weight.register_hook(lambda g: g * 100.0)
+    got: list[Any] = []
+    for step in range(2):
+        torch.manual_seed(step)
+        got += _grads(m, torch.randn(6, 4))
+        m.zero_grad()
+    return got
+
+
+def test_a_hook_the_forward_removes_under_grad_only_stays_removed_as_in_eager() -> None:
+    _against_eager(_DropsWarmupHookUnderGrad, _with_warmup_hook)
+
+
+class _DropsWarmupOnly(_DropsWarmupHookUnderGrad):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.warmup is not None:
+            self.warmup.remove()
+            self.warmup = None
+        return torch.tanh(self.lin(x))
+
+
+def test_a_hook_the_forward_removes_under_grad_registering_none_gives_eager_gradients() -> None:
+    _against_eager(_DropsWarmupOnly, _with_warmup_hook)
+
+
+class _ReplacesInputHook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = x.register_hook(lambda g: -0.5 * g + 1)
+        return torch.tanh(self.lin(x))
+
+
+class _CallsTwiceOnOneInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _ReplacesInputHook()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + self.layer(x)
+
+
+@pytest.mark.parametrize("kind", ["view", "computed_then_dropped"])
+def test_a_hook_replaced_on_an_input_passed_twice_a_step_gives_eager_gradients(kind: str) -> None:
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.layer)
+
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(3):
+            torch.manual_seed(step)
+            x0 = torch.randn(6, 8, requires_grad=True)
+            x = x0[:, :4] if kind == "view" else x0[:, :4] * 2
+            y = m(x)
+            del x
+            loss = y.pow(2).sum()
+            loss.backward()
+            got += [loss.detach(), x0.grad, *(p.grad.clone() for p in m.parameters())]
+            m.zero_grad()
+        return got
+    _against_eager(_CallsTwiceOnOneInput, run, wrap=wrap)
+
+
+@pytest.mark.parametrize("kind", ["view", "computed_then_dropped"])
+def test_hooks_replaced_on_offloaded_inputs_give_eager_gradients(kind: str) -> None:
+    from offload import OffloadConfig, OffloadManager
+
+    def make() -> nn.Module:
+        return nn.Sequential(_ReplacesInputHook(), _ReplacesInputHook(), _ReplacesInputHook())
+
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.checkpoint_layers(list(m), offload=OffloadManager(OffloadConfig(min_bytes=0)))
+
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(3):
+            torch.manual_seed(step)
+            x0 = torch.randn(6, 8, requires_grad=True)
+            x = x0[:, :4] if kind == "view" else x0[:, :4] * 2
+            y = m(x)
+            del x
+            loss = y.pow(2).sum()
+            loss.backward()
+            got += [loss.detach(), x0.grad, *(p.grad.clone() for p in m.parameters())]
+            m.zero_grad()
+        return got
+    _against_eager(make, run, wrap=wrap)
