@@ -35,25 +35,28 @@ __all__ = ["ForwardHooks", "handles_made"]
 # registered, and the keys in between which hooks the pass registered where. Each is kept by its
 # key, the dict it is in, and what it runs: its function's code with the plain values it is given
 # (a partial's arguments, its closure and defaults, a hook object's or a bound method's instance's
-# attributes: helpers PY, QA found `partial(scale, 3.0)` and `partial(scale, 0.5)`, `lambda g,
-# k=k`, taken for one). Right after the replay's forward, the replay's registrations that repeat
-# the original pass's are removed, one for each: those giving the same values first, then by code
-# alone (a value bound anew in each pass, a call number, still finds its repeat: helper QA). The
-# replay's forward leaves no hook removed either: a forward replacing its previous call's hook
-# through the handle it kept reads, in the replay, the handle the latest forward stored, and
+# attributes; a tensor or module among them by identity: helpers PY, QA, QC found `partial(scale,
+# 3.0)` and `partial(scale, 0.5)`, `lambda g, k=k`, `partial(mul, self.a)` and `partial(mul,
+# self.b)` taken for one). Right after the replay's forward, the replay's registrations that
+# repeat the original pass's are removed, one for each: those giving the same values first, then
+# by code alone (a value bound anew in each pass, a call number, still finds its repeat: helper
+# QA). The replay's forward leaves no hook removed either: a forward replacing its previous call's
+# hook through the handle it kept reads, in the replay, the handle the latest forward stored, and
 # removed that hook (helper PX; a layer called twice a step, the later call's: helper PY; on the
-# caller's input tensor: helper QA), so the user's hooks it removed from the dicts the original
-# pass registered in are put back, in their places (helper QA: hooks that do not commute) and with
-# a module's options, under their keys, which the handles kept on the module remove at the next
-# call. A hook the original pass did not make (registered only `if torch.is_grad_enabled()`) is
-# the replay's alone, and stays (after the original pass's in the dict: where hooks that do not
-# commute are mixed so, they run in another order than eager's, docs/limits.md). Hooks torch's own
-# tools and this library register (FSDP, module trackers, the boundary's own recorders) are theirs
-# to manage, and never touched. Not covered (docs/limits.md): a hook on an input's node
-# (`x.grad_fn.register_prehook`), whose dict Python cannot read; the original pass's hook still on
-# a parameter while the replay's forward runs, seen by a gradient the forward takes of that
-# parameter itself; a module hook the replay's forward registers, which the submodule's call in
-# that replay takes with the original pass's (both run there).
+# caller's input tensor: helper QA), so the hooks an original pass registered (``_MADE``) that it
+# removed from the dicts the original pass registered in are put back (not a caller's own hook the
+# forward removes under grad only, as eager's forward does: helper QC), in their places (helper
+# QA: hooks that do not commute) and with a module's options, under their keys, which the handles
+# kept on the module remove at the next call. A hook the original pass did not make (registered
+# only `if torch.is_grad_enabled()`) is the replay's alone, and stays (after the original pass's
+# in the dict: where hooks that do not commute are mixed so, they run in another order than
+# eager's, docs/limits.md). Hooks torch's own tools and this library register (FSDP, module
+# trackers, the boundary's own recorders) are theirs to manage, and never touched. Not covered
+# (docs/limits.md): a hook on an input's node (`x.grad_fn.register_prehook`), whose dict Python
+# cannot read; the original pass's hook still on a parameter while the replay's forward runs, seen
+# by a gradient the forward takes of that parameter itself; a module hook the replay's forward
+# registers, which the submodule's call in that replay takes with the original pass's (both run
+# there).
 
 _TENSOR_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _MODULE_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
