@@ -43,20 +43,20 @@ __all__ = ["ForwardHooks", "handles_made"]
 # QA). The replay's forward leaves no hook removed either: a forward replacing its previous call's
 # hook through the handle it kept reads, in the replay, the handle the latest forward stored, and
 # removed that hook (helper PX; a layer called twice a step, the later call's: helper PY; on the
-# caller's input tensor: helper QA), so the hooks an original pass registered (``_MADE``) that it
-# removed from the dicts the original pass registered in are put back (not a caller's own hook the
-# forward removes under grad only, as eager's forward does: helper QC), in their places (helper
-# QA: hooks that do not commute) and with a module's options, under their keys, which the handles
-# kept on the module remove at the next call. A hook the original pass did not make (registered
-# only `if torch.is_grad_enabled()`) is the replay's alone, and stays (after the original pass's
-# in the dict: where hooks that do not commute are mixed so, they run in another order than
-# eager's, docs/limits.md). Hooks torch's own tools and this library register (FSDP, module
-# trackers, the boundary's own recorders) are theirs to manage, and never touched. Not covered
-# (docs/limits.md): a hook on an input's node (`x.grad_fn.register_prehook`), whose dict Python
-# cannot read; the original pass's hook still on a parameter while the replay's forward runs, seen
-# by a gradient the forward takes of that parameter itself; a module hook the replay's forward
-# registers, which the submodule's call in that replay takes with the original pass's (both run
-# there).
+# caller's input tensor: helper QA), so the registrations an original pass made (``_MADE``, by
+# holder and key: helper QE) that it removed from the dicts the original pass registered in are
+# put back (not a caller's own hook the forward removes under grad only, as eager's forward does:
+# helper QC), in their places (helper QA: hooks that do not commute) and with a module's options,
+# under their keys, which the handles kept on the module remove at the next call. A hook the
+# original pass did not make (registered only `if torch.is_grad_enabled()`) is the replay's alone,
+# and stays (after the original pass's in the dict: where hooks that do not commute are mixed so,
+# they run in another order than eager's, docs/limits.md). Hooks torch's own tools and this
+# library register (FSDP, module trackers, the boundary's own recorders) are theirs to manage, and
+# never touched. Not covered (docs/limits.md): a hook on an input's node
+# (`x.grad_fn.register_prehook`), whose dict Python cannot read; the original pass's hook still on
+# a parameter while the replay's forward runs, seen by a gradient the forward takes of that
+# parameter itself; a module hook the replay's forward registers, which the submodule's call in
+# that replay takes with the original pass's (both run there).
 
 _TENSOR_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _MODULE_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -67,9 +67,10 @@ _NOT_USERS = ("torch.", "pytree_ckpt.", "offload.")
 
 # (where: a slot of the call's inputs, or the parameter or module itself; the dict's name;
 # each registration there: its key, what it runs and the hook; the dict it is in)
-_Found = tuple[Any, str, list[tuple[int, Any, Any]], dict[Any, Any]]
+_Found = tuple[Any, str, list[tuple[int, Any, Any]], dict[Any, Any], weakref.ref[Any]]
 # (a hook dict, its entries, and a module's option dicts with their entries)
-_Held = tuple[dict[Any, Any], dict[Any, Any], list[tuple[dict[Any, Any], dict[Any, Any]]]]
+_Held = tuple[dict[Any, Any], dict[Any, Any], list[tuple[dict[Any, Any], dict[Any, Any]]],
+              Any, str, set[int]]
 
 
 def handles_made() -> int:
@@ -94,11 +95,16 @@ def _named(items: Any, /) -> tuple[Any, ...]:
     return tuple((name, *_plain((value,))) for name, value in sorted(items.items()))
 
 
-# The hooks the original passes registered (weakly: they go with their dicts), the only ones a
-# replay's forward puts back where it removed them: a hook the caller registered, which the
-# forward removes only under grad (eager's forward does; the original pass, under no-grad,
-# does not), stays removed (helper QC).
-_MADE: weakref.WeakSet[Any] = weakref.WeakSet()
+# The registrations the original passes made, by the id of the tensor or module holding the
+# hook dict (with a weak reference to it, which drops the entry with it): each by its dict's
+# name and its key, which no other registration ever has (``RemovableHandle.next_id`` only
+# grows). The only hooks a replay puts back where its forward removed them: a hook the caller
+# registered, which the forward removes only under grad (eager's forward does; the original
+# pass, under no-grad, does not), stays removed, even where it runs the very function the
+# forward registers (helpers QC, QE: kept by the hook object, an equal one counted; one that
+# cannot be referenced weakly or hashed was never put back). Pruned to the keys still there
+# at each record.
+_MADE: dict[int, tuple[weakref.ref[Any], set[tuple[str, int]]]] = {}
 
 
 def _unwrapped(hook: Any, /) -> Any:
@@ -107,18 +113,24 @@ def _unwrapped(hook: Any, /) -> Any:
     return hook
 
 
-def _made(hook: Any, /) -> None:
-    try:
-        _MADE.add(hook)
-    except TypeError:  # not weakly referable, or not hashable: never put back
-        pass
+def _record(holder: Any, name: str, keys: Iterable[int], /) -> None:
+    """``keys`` of ``holder``'s ``name`` dict were registered by an original pass."""
+    entry = _MADE.get(id(holder))
+    if entry is None or entry[0]() is not holder:
+        ident = id(holder)
+
+        def gone(ref: weakref.ref[Any], /) -> None:
+            if (now := _MADE.get(ident)) is not None and now[0] is ref:
+                del _MADE[ident]
+        entry = _MADE[ident] = (weakref.ref(holder, gone), set())
+    made = entry[1]
+    made -= {(n, k) for n, k in made if k not in (getattr(holder, n, None) or ())}
+    made.update((name, key) for key in keys)
 
 
-def _was_made(hook: Any, /) -> bool:
-    try:
-        return _unwrapped(hook) in _MADE
-    except TypeError:
-        return False
+def _was_made(holder: Any, name: str, key: int, /) -> bool:
+    entry = _MADE.get(id(holder))
+    return entry is not None and entry[0]() is holder and (name, key) in entry[1]
 
 
 def _runs(hook: Any, /) -> tuple[Any, tuple[Any, ...]] | None:
@@ -193,9 +205,8 @@ class ForwardHooks:
                 hooks = getattr(holder, name, None)
                 if registered := _registered(hooks, since, until):
                     assert hooks is not None
-                    found.append((where, name, registered, hooks))
-                    for _, _, hook in registered:
-                        _made(hook)
+                    found.append((where, name, registered, hooks, weakref.ref(holder)))
+                    _record(holder, name, [key for key, _, _ in registered])
         return ForwardHooks(found) if found else None
 
     def before_replay(self) -> list[_Held]:
@@ -203,12 +214,18 @@ class ForwardHooks:
         (and a module's options for them), for ``drop_repeated`` to put back the user's hooks
         the replay removes (NOTE above)."""
         seen: list[_Held] = []
-        for where, _, _, hooks in self.found:
-            if not any(hooks is d for d, _, _ in seen):
-                extras = [(d, dict(d)) for extra in _MODULE_EXTRAS
-                          if isinstance(d := getattr(where, extra, None), dict)] \
-                    if isinstance(where, nn.Module) else []
-                seen.append((hooks, dict(hooks), extras))
+        for where, name, registered, hooks, holder_ref in self.found:
+            # This call's own registrations, and (while it lives: an input the caller dropped
+            # keeps its dict on its node) the holder, for other calls' (``_was_made``).
+            own = {key for key, _, _ in registered}
+            same = next((entry for entry in seen if entry[0] is hooks), None)
+            if same is not None:
+                same[5].update(own)
+                continue
+            extras = [(d, dict(d)) for extra in _MODULE_EXTRAS
+                      if isinstance(d := getattr(where, extra, None), dict)] \
+                if isinstance(where, nn.Module) else []
+            seen.append((hooks, dict(hooks), extras, holder_ref(), name, own))
         return seen
 
     def drop_repeated(self, since: int, inputs: Sequence[torch.Tensor],
@@ -218,9 +235,9 @@ class ForwardHooks:
         they were; its registrations since handle ``since`` that repeat the original pass's,
         removed (those giving the same plain values first, then by code alone: a value
         that differs per pass, a call number, still finds its repeat)."""
-        for hooks, held, extras in before:
-            back = [key for key, hook in held.items()
-                    if key not in hooks and _was_made(hook)]
+        for hooks, held, extras, holder, name, own in before:
+            back = [key for key in held if key not in hooks and (
+                key in own or holder is not None and _was_made(holder, name, key))]
             if not back:
                 continue
             for key in back:
@@ -241,14 +258,14 @@ class ForwardHooks:
         until = RemovableHandle.next_id
         if until == since:
             return
-        for where, name, originals, _ in self.found:
+        for where, name, originals, _, _ in self.found:
             if type(where) is int:
                 if where >= len(inputs):
                     continue
-                holder: Any = inputs[where]  # (the original pass's are on the caller's tensor)
+                on: Any = inputs[where]  # (the original pass's are on the caller's tensor)
             else:
-                holder = where
-            registered = getattr(holder, name, None)
+                on = where
+            registered = getattr(on, name, None)
             if not registered:
                 continue
             left = [what for _, what, _ in originals]
@@ -265,6 +282,6 @@ class ForwardHooks:
                     repeats.append(key)
             for key in repeats:
                 del registered[key]
-                if isinstance(holder, nn.Module):
+                if isinstance(on, nn.Module):
                     for option in _MODULE_EXTRAS:
-                        getattr(holder, option, {}).pop(key, None)
+                        getattr(on, option, {}).pop(key, None)

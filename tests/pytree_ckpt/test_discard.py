@@ -2658,3 +2658,33 @@ def test_a_copy_of_a_replayed_module_is_refused_at_the_boundary() -> None:
     h = s * 1.5
     with pytest.raises(CheckpointError, match="took a gradient inside its forward"):
         pytree_ckpt.checkpoint(copied, h, 2 * h)
+
+
+# -- helper QE ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["pickle", "torch_save"])
+def test_a_pickled_rebuilt_discard_module_is_refused_or_eager_as_a_fresh_one(how: str) -> None:
+    import io
+    import pickle
+    torch.manual_seed(0)
+    op = _InnerGradOp(False)
+    s = torch.randn(5, 1, requires_grad=True)
+    t = torch.randn(5, 1, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    z = (ckpt.checkpoint(op, t, s * 0.5) * 3).pow(2)
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    if how == "pickle":
+        copied = pickle.loads(pickle.dumps(op))
+    else:
+        buf = io.BytesIO()
+        torch.save(op, buf)
+        buf.seek(0)
+        copied = torch.load(buf, weights_only=False)
+    eager = _inner_grad_step(copy.deepcopy(op), discard=False)
+    try:
+        ours = _inner_grad_step(copied, discard=True)
+    except CheckpointError as refused:
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))

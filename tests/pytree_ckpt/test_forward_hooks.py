@@ -5,8 +5,10 @@ registers on its parameters and inputs] in pytree_ckpt/forward_hooks.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
+import operator
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -1012,3 +1014,200 @@ def test_hooks_replaced_on_offloaded_inputs_give_eager_gradients(kind: str) -> N
             m.zero_grad()
         return got
     _against_eager(make, run, wrap=wrap)
+
+
+# -- helper QE ---------------------------------------------------------------------------------
+
+class _SlottedScale:
+    """A hook object with __slots__ and no __weakref__: it cannot be weakly referenced."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        return g * self.k
+
+
+class _ComparedScale:
+    """A hook object with __eq__ and no __hash__: it cannot be hashed."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        return g * self.k
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ComparedScale) and other.k == self.k
+
+
+class _ReplacesHookObject(nn.Module):
+    """Replaces its hook object on its weight at every call, through the handle it kept."""
+
+    def __init__(self, kind: type) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kind = kind
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(self.kind(0.5))
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("kind", [_SlottedScale, _ComparedScale], ids=["slots", "eq_no_hash"])
+def test_a_replaced_hook_object_without_weakref_or_hash_gives_eager_gradients(kind: type) -> None:
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(2):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(6, 4))
+            m.zero_grad()
+        return got
+    _against_eager(lambda: _ReplacesHookObject(kind), run)
+
+
+def _halve(g: torch.Tensor) -> torch.Tensor:
+    return g * 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class _EqualScale:
+    k: float
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        return g * self.k
+
+
+class _DropsWarmupRegistersOnce(nn.Module):
+    """Removes the caller's warm-up hook under grad only, and registers its own hook once."""
+
+    def __init__(self, mine: Callable[[], Any]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mine = mine
+        self.warmup: Any = None
+        self.done = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.warmup is not None:
+            self.warmup.remove()
+            self.warmup = None
+        if not self.done:
+            self.lin.weight.register_hook(self.mine())
+            self.done = True
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("same", ["one_function", "equal_objects"])
+def test_a_warmup_hook_that_is_also_the_forwards_stays_removed_as_in_eager(same: str) -> None:
+    mine: Callable[[], Any] = (lambda: _halve) if same == "one_function" else \
+        (lambda: _EqualScale(0.5))
+
+    def run(m: nn.Module) -> list[Any]:
+        m.warmup = m.lin.weight.register_hook(mine())
+        got: list[Any] = []
+        for step in range(2):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(6, 4))
+            m.zero_grad()
+        return got + [len(m.lin.weight._backward_hooks)]
+    _against_eager(lambda: _DropsWarmupRegistersOnce(mine), run)
+
+
+class _RegistersHalveOnce(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.done = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.done:
+            self.lin.weight.register_hook(_halve)
+            self.done = True
+        return torch.tanh(self.lin(x))
+
+
+class _TwoModels(nn.Module):
+    """Two models of one process: the first's forward registers ``_halve``; the second's caller
+    registers ``_halve`` as a warm-up hook, which the second's forward removes under grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _RegistersHalveOnce()
+        self.b = _DropsWarmupRegistersOnce(lambda: (lambda g: g * 2))
+
+
+def test_a_warmup_hook_another_models_forward_also_registers_stays_removed_as_in_eager() -> None:
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.a)
+        pytree_ckpt.apply_activation_checkpointing(m.b)
+
+    def run(m: nn.Module) -> list[Any]:
+        torch.manual_seed(5)
+        m.a(torch.randn(6, 4)).pow(2).sum().backward()
+        m.b.warmup = m.b.lin.weight.register_hook(_halve)
+        got: list[Any] = []
+        for step in range(2):
+            torch.manual_seed(step)
+            got += _grads(m.b, torch.randn(6, 4))
+            m.zero_grad()
+        return got
+    _against_eager(_TwoModels, run, wrap=wrap)
+
+
+class _OwnWarmupDroppedUnderGrad(nn.Module):
+    """Registers a warm-up hook at its first call, removes it at a later call under grad only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.warmup: Any = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls == 0:
+            self.warmup = self.lin.weight.register_hook(_halve)
+        elif torch.is_grad_enabled() and self.warmup is not None:
+            self.warmup.remove()
+            self.warmup = None
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def test_a_hook_the_forward_made_and_later_removes_under_grad_gives_eager_gradients() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(3):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(6, 4))
+            m.zero_grad()
+        return got + [len(m.lin.weight._backward_hooks or {})]
+    _against_eager(_OwnWarmupDroppedUnderGrad, run)
+
+
+def test_a_replaced_builtin_hook_gives_eager_gradients() -> None:
+    class _Neg(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.handle: Any = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.handle is not None:
+                self.handle.remove()
+            self.handle = self.lin.weight.register_hook(operator.neg)
+            return torch.tanh(self.lin(x))
+
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(2):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(6, 4))
+            m.zero_grad()
+        return got
+    _against_eager(_Neg, run)
