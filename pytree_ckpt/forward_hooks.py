@@ -4,6 +4,7 @@ modules (NOTE [hooks the forward registers on its parameters and inputs])."""
 from __future__ import annotations
 
 import functools
+import threading
 import types
 import weakref
 from collections.abc import Iterable, Sequence
@@ -102,9 +103,13 @@ def _named(items: Any, /) -> tuple[Any, ...]:
 # registered, which the forward removes only under grad (eager's forward does; the original
 # pass, under no-grad, does not), stays removed, even where it runs the very function the
 # forward registers (helpers QC, QE: kept by the hook object, an equal one counted; one that
-# cannot be referenced weakly or hashed was never put back). Pruned to the keys still there
-# at each record.
+# cannot be referenced weakly or hashed was never put back). The latest ``_KEPT`` per holder are
+# kept (keys only grow): pruned to the keys still in the dict, one missing for an instant while
+# a nested block's replay ran was dropped (helper QF). Under a lock: two threads' first steps
+# record on one shared parameter (helper QF: "Set changed size during iteration").
 _MADE: dict[int, tuple[weakref.ref[Any], set[tuple[str, int]]]] = {}
+_MADE_LOCK = threading.Lock()
+_KEPT = 256
 
 
 def _unwrapped(hook: Any, /) -> Any:
@@ -115,22 +120,26 @@ def _unwrapped(hook: Any, /) -> Any:
 
 def _record(holder: Any, name: str, keys: Iterable[int], /) -> None:
     """``keys`` of ``holder``'s ``name`` dict were registered by an original pass."""
-    entry = _MADE.get(id(holder))
-    if entry is None or entry[0]() is not holder:
-        ident = id(holder)
+    ident = id(holder)
 
-        def gone(ref: weakref.ref[Any], /) -> None:
-            if (now := _MADE.get(ident)) is not None and now[0] is ref:
-                del _MADE[ident]
-        entry = _MADE[ident] = (weakref.ref(holder, gone), set())
-    made = entry[1]
-    made -= {(n, k) for n, k in made if k not in (getattr(holder, n, None) or ())}
-    made.update((name, key) for key in keys)
+    def gone(ref: weakref.ref[Any], /) -> None:  # (no lock: the collector may run it anywhere)
+        if (now := _MADE.get(ident)) is not None and now[0] is ref:
+            _MADE.pop(ident, None)
+
+    with _MADE_LOCK:
+        entry = _MADE.get(ident)
+        if entry is None or entry[0]() is not holder:
+            entry = _MADE[ident] = (weakref.ref(holder, gone), set())
+        made = entry[1]
+        made.update((name, key) for key in keys)
+        if len(made) > _KEPT:
+            made.difference_update(sorted(made, key=lambda e: e[1])[:len(made) - _KEPT])
 
 
 def _was_made(holder: Any, name: str, key: int, /) -> bool:
-    entry = _MADE.get(id(holder))
-    return entry is not None and entry[0]() is holder and (name, key) in entry[1]
+    with _MADE_LOCK:
+        entry = _MADE.get(id(holder))
+        return entry is not None and entry[0]() is holder and (name, key) in entry[1]
 
 
 def _runs(hook: Any, /) -> tuple[Any, tuple[Any, ...]] | None:

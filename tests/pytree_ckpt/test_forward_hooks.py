@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import itertools
 import operator
 import warnings
@@ -1211,3 +1212,194 @@ def test_a_replaced_builtin_hook_gives_eager_gradients() -> None:
             m.zero_grad()
         return got
     _against_eager(_Neg, run)
+
+
+# -- helper QF ---------------------------------------------------------------------------------
+
+class _ReplacesWeightHook(nn.Module):
+    """Replaces its hook on its weight at every call, through the handle it kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(lambda g: g * 0.5)
+        return torch.tanh(self.lin(x))
+
+
+class _CallsShared(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.s = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.s(self.a(x))
+
+
+class _TwoLayersOneSharedBlock(nn.Module):
+    """Two layers calling one block that replaces its weight hook at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = _ReplacesWeightHook()
+        self.l1, self.l2 = _CallsShared(shared), _CallsShared(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(x))
+
+
+def _steps(n: int) -> Callable[[nn.Module], list[Any]]:
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(n):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(3, 4))
+            m.zero_grad()
+        return got
+    return run
+
+
+def test_a_hook_a_nested_checkpointed_block_replaces_on_its_weight_gives_eager_gradients(
+        ) -> None:
+    def wrap(m: nn.Module) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pytree_ckpt.checkpoint_layers([m.l1, m.l2])
+            pytree_ckpt.checkpoint_layers([m.l1.s])
+
+    def run(m: nn.Module) -> list[Any]:
+        return _steps(2)(m) + [len(m.l1.s.lin.weight._backward_hooks)]
+    _against_eager(_TwoLayersOneSharedBlock, run, wrap=wrap)
+
+
+def test_a_hook_a_block_shared_by_two_checkpointed_layers_replaces_gives_eager_gradients(
+        ) -> None:
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.checkpoint_layers([m.l1, m.l2])
+
+    def run(m: nn.Module) -> list[Any]:
+        return _steps(2)(m) + [len(m.l1.s.lin.weight._backward_hooks)]
+    _against_eager(_TwoLayersOneSharedBlock, run, wrap=wrap)
+
+
+class _ReplacesWeightAndInputHooks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handles: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = [self.lin.weight.register_hook(lambda g: g * 0.5),
+                        x.register_hook(lambda g: -g)]
+        return torch.tanh(self.lin(x))
+
+
+class _BeforeReplacer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.m = nn.Linear(4, 4), _ReplacesWeightAndInputHooks()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m(self.a(x))
+
+
+def test_hooks_replaced_at_every_call_leave_made_registrations_bounded_over_50_steps() -> None:
+    from pytree_ckpt import forward_hooks
+
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.m)
+    before = len(forward_hooks._MADE)
+    _against_eager(_BeforeReplacer, _steps(50), wrap=wrap)
+    gc.collect()
+    assert len(forward_hooks._MADE) <= before + 1
+    assert all(len(made) <= 2 for _, made in forward_hooks._MADE.values())
+
+
+def test_a_weight_replaced_between_steps_under_a_replaced_hook_gives_eager_gradients() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        got = _steps(2)(m)
+        m.lin.weight = nn.Parameter(m.lin.weight.detach() * 2)
+        m.handle = None
+        got += _steps(2)(m)
+        return got + [len(m.lin.weight._backward_hooks)]
+    _against_eager(_ReplacesWeightHook, run)
+
+
+def _scale_by(k: float, g: torch.Tensor) -> torch.Tensor:
+    return g * k
+
+
+class _ReplacesHookOnShared(nn.Module):
+    """Replaces its hook on a weight it shares with other replicas, at every call."""
+
+    def __init__(self, w: nn.Parameter) -> None:
+        super().__init__()
+        self.w = w
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.w.register_hook(functools.partial(_scale_by, 0.5))
+        return torch.tanh(x @ self.w)
+
+
+def _two_threads_forwards(wrap: Callable[[nn.Module], None]) -> list[Any]:
+    """Two replicas sharing a weight; their second forwards run on two threads, the first
+    paused (by a trace function, standing for a thread switch) at its first line inside
+    forward_hooks.py's set comprehension, while the other runs its forward."""
+    import sys
+    import threading
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    a, b = _ReplacesHookOnShared(w), _ReplacesHookOnShared(w)
+    wrap(a)
+    wrap(b)
+    x = torch.randn(3, 4)
+    a(x), b(x)  # the first step, on this thread
+    paused, resumed = threading.Event(), threading.Event()
+    got: list[Any] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_name == "<setcomp>" and \
+                frame.f_code.co_filename.endswith("forward_hooks.py") and not paused.is_set():
+            paused.set()
+            resumed.wait(5)
+        return tracer
+
+    def first() -> None:
+        sys.settrace(tracer)
+        try:
+            got.append(a(x).pow(2).sum())
+        except RuntimeError as e:
+            got.append(e)
+        finally:
+            sys.settrace(None)
+            paused.set()
+
+    def second() -> None:
+        paused.wait(5)
+        got.append(b(x).pow(2).sum())
+        resumed.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def test_two_threads_forwards_replacing_hooks_on_a_shared_weight_run_as_in_eager() -> None:
+    want = _two_threads_forwards(lambda m: None)
+    got = _two_threads_forwards(lambda m: pytree_ckpt.checkpoint_layers([m]))
+    assert not any(isinstance(v, Exception) for v in want)
+    assert not any(isinstance(v, Exception) for v in got), got
+    assert sorted(float(v.detach()) for v in got) == sorted(float(v.detach()) for v in want)
