@@ -103,12 +103,15 @@ def _named(items: Any, /) -> tuple[Any, ...]:
 # registered, which the forward removes only under grad (eager's forward does; the original
 # pass, under no-grad, does not), stays removed, even where it runs the very function the
 # forward registers (helpers QC, QE: kept by the hook object, an equal one counted; one that
-# cannot be referenced weakly or hashed was never put back). The latest ``_KEPT`` per holder are
-# kept (keys only grow): pruned to the keys still in the dict, one missing for an instant while
-# a nested block's replay ran was dropped (helper QF). Under a lock: two threads' first steps
-# record on one shared parameter (helper QF: "Set changed size during iteration").
+# cannot be referenced weakly or hashed was never put back). The latest per holder are kept
+# (keys only grow): ``_KEPT``, or four times as many as the record being made (helper QG: two
+# calls of 300 hooks each, the earlier call's replay removing the later's); pruned to the keys
+# still in the dict, one missing for an instant while a nested block's replay ran was dropped
+# (helper QF). Under a re-entrant lock: two threads' first steps record on one shared parameter
+# (helper QF: "Set changed size during iteration"), and a finalizer the collector runs inside
+# the lock may run a checkpointed forward on the same thread (helper QG: a plain lock hung).
 _MADE: dict[int, tuple[weakref.ref[Any], set[tuple[str, int]]]] = {}
-_MADE_LOCK = threading.Lock()
+_MADE_LOCK = threading.RLock()
 _KEPT = 256
 
 
@@ -126,14 +129,16 @@ def _record(holder: Any, name: str, keys: Iterable[int], /) -> None:
         if (now := _MADE.get(ident)) is not None and now[0] is ref:
             _MADE.pop(ident, None)
 
+    new = [(name, key) for key in keys]
+    kept = max(_KEPT, 4 * len(new))
     with _MADE_LOCK:
         entry = _MADE.get(ident)
         if entry is None or entry[0]() is not holder:
             entry = _MADE[ident] = (weakref.ref(holder, gone), set())
         made = entry[1]
-        made.update((name, key) for key in keys)
-        if len(made) > _KEPT:
-            made.difference_update(sorted(made, key=lambda e: e[1])[:len(made) - _KEPT])
+        made.update(new)
+        if len(made) > kept:
+            made.difference_update(sorted(made, key=lambda e: e[1])[:len(made) - kept])
 
 
 def _was_made(holder: Any, name: str, key: int, /) -> bool:

@@ -1403,3 +1403,158 @@ def test_two_threads_forwards_replacing_hooks_on_a_shared_weight_run_as_in_eager
     assert not any(isinstance(v, Exception) for v in want)
     assert not any(isinstance(v, Exception) for v in got), got
     assert sorted(float(v.detach()) for v in got) == sorted(float(v.detach()) for v in want)
+
+
+# -- helper QG ---------------------------------------------------------------------------------
+
+class _ReplacesManyWeightHooks(nn.Module):
+    """Registers ``k`` hooks on its weight at every call, removing the previous call's (kept
+    handles)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handles: list[Any] = []
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = [self.lin.weight.register_hook(lambda g, i=i: g * (1 + 1e-3 * (i % 3)))
+                        for i in range(self.k)]
+        return torch.tanh(self.lin(x))
+
+
+class _CallsTwice(nn.Module):
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.r = _ReplacesManyWeightHooks(k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.r(self.r(x))
+
+
+def _steps_hooks(n: int) -> Callable[[nn.Module], list[Any]]:
+    def run(m: nn.Module) -> list[Any]:
+        return _steps(n)(m) + [len(m.r.lin.weight._backward_hooks)]
+    return run
+
+
+def test_300_hooks_a_layer_called_twice_replaces_on_its_weight_give_eager_gradients() -> None:
+    _against_eager(lambda: _CallsTwice(300), _steps_hooks(2),
+                   wrap=lambda m: pytree_ckpt.checkpoint_layers([m.r]))
+
+
+def test_200_hooks_a_layer_called_twice_replaces_on_its_weight_give_eager_gradients() -> None:
+    _against_eager(lambda: _CallsTwice(200), _steps_hooks(2),
+                   wrap=lambda m: pytree_ckpt.checkpoint_layers([m.r]))
+
+
+class _Loops(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.r = _ReplacesWeightHook()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = self.r(x)
+        return x
+
+
+def test_a_layer_called_300_times_a_step_replacing_its_weight_hook_gives_eager_gradients(
+        ) -> None:
+    def run(m: nn.Module) -> list[Any]:
+        return _steps(2)(m) + [len(m.r.lin.weight._backward_hooks)]
+    _against_eager(lambda: _Loops(300), run, wrap=lambda m: pytree_ckpt.checkpoint_layers([m.r]))
+
+
+class _HooksItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.register_hook(lambda g: -g)
+        return torch.tanh(self.lin(x))
+
+
+class _BeforeInputHooker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.m = nn.Linear(4, 4), _HooksItsInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m(self.a(x))
+
+
+def test_inputs_a_forward_hooks_leave_no_made_entries_after_50_steps() -> None:
+    from pytree_ckpt import forward_hooks
+
+    gc.collect()
+    before = len(forward_hooks._MADE)
+    _against_eager(_BeforeInputHooker, _steps(50),
+                   wrap=lambda m: pytree_ckpt.apply_activation_checkpointing(m.m))
+    gc.collect()
+    assert len(forward_hooks._MADE) == before
+
+
+class _LockThatCollects:
+    """forward_hooks' lock, with a garbage collection right after it is taken (any allocation
+    inside the locked region may run one) and a 1 s timeout standing for the hang."""
+
+    def __init__(self, real: Any, garbage: Callable[[], None]) -> None:
+        self.real, self.garbage, self.armed = real, garbage, True
+
+    def __enter__(self) -> None:
+        if not self.real.acquire(timeout=1):
+            raise RuntimeError("deadlock: _MADE_LOCK taken again on this thread")
+        if self.armed:
+            self.armed = False
+            self.garbage()
+            gc.collect()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.real.release()
+
+
+def test_a_finalizer_running_a_checkpointed_forward_during_a_collection_in_record_does_not_hang(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytree_ckpt import forward_hooks
+
+    torch.manual_seed(0)
+    a, b = _ReplacesWeightHook(), _ReplacesWeightHook()
+    pytree_ckpt.checkpoint_layers([a])
+    pytree_ckpt.checkpoint_layers([b])
+    errors: list[Exception] = []
+
+    class _Cyclic:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:  # an evaluation run from a finalizer
+            try:
+                with torch.enable_grad():
+                    b(torch.randn(2, 4))
+            except Exception as e:
+                errors.append(e)
+
+    monkeypatch.setattr(forward_hooks, "_MADE_LOCK",
+                        _LockThatCollects(forward_hooks._MADE_LOCK, _Cyclic))
+    a(torch.randn(2, 4)).sum().backward()
+    assert errors == []
+
+
+def test_a_holder_dying_while_the_made_lock_is_held_drops_its_entry_without_the_lock() -> None:
+    from pytree_ckpt import forward_hooks
+
+    m = _HooksItsInput()
+    pytree_ckpt.apply_activation_checkpointing(m)
+    x = torch.randn(3, 4).tanh().requires_grad_()
+    m(x)
+    assert id(x) in forward_hooks._MADE
+    ident = id(x)
+    with forward_hooks._MADE_LOCK:  # the weakref callback runs with the lock held
+        del x
+        gc.collect()
+        assert ident not in forward_hooks._MADE
