@@ -45,19 +45,19 @@ __all__ = ["ForwardHooks", "handles_made"]
 # hook through the handle it kept reads, in the replay, the handle the latest forward stored, and
 # removed that hook (helper PX; a layer called twice a step, the later call's: helper PY; on the
 # caller's input tensor: helper QA), so the registrations an original pass made (``_MADE``, by
-# holder and key: helper QE) that it removed from the dicts the original pass registered in are
-# put back (not a caller's own hook the forward removes under grad only, as eager's forward does:
-# helper QC), in their places (helper QA: hooks that do not commute) and with a module's options,
-# under their keys, which the handles kept on the module remove at the next call. A hook the
-# original pass did not make (registered only `if torch.is_grad_enabled()`) is the replay's alone,
-# and stays (after the original pass's in the dict: where hooks that do not commute are mixed so,
-# they run in another order than eager's, docs/limits.md). Hooks torch's own tools and this
-# library register (FSDP, module trackers, the boundary's own recorders) are theirs to manage, and
-# never touched. Not covered (docs/limits.md): a hook on an input's node
-# (`x.grad_fn.register_prehook`), whose dict Python cannot read; the original pass's hook still on
-# a parameter while the replay's forward runs, seen by a gradient the forward takes of that
-# parameter itself; a module hook the replay's forward registers, which the submodule's call in
-# that replay takes with the original pass's (both run there).
+# holder and key, kept while in use: helpers QE, QH) that the replay's forward removed from the
+# dicts the original pass registered in are put back (not a caller's own hook the forward removes
+# under grad only, as eager's forward does: helper QC), in their places (helper QA: hooks that do
+# not commute) and with a module's options, under their keys, which the handles kept on the module
+# remove at the next call. A hook the original pass did not make (registered only `if
+# torch.is_grad_enabled()`) is the replay's alone, and stays (after the original pass's in the
+# dict: where hooks that do not commute are mixed so, they run in another order than eager's,
+# docs/limits.md). Hooks torch's own tools and this library register (FSDP, module trackers, the
+# boundary's own recorders) are theirs to manage, and never touched. Not covered (docs/limits.md):
+# a hook on an input's node (`x.grad_fn.register_prehook`), whose dict Python cannot read; the
+# original pass's hook still on a parameter while the replay's forward runs, seen by a gradient
+# the forward takes of that parameter itself; a module hook the replay's forward registers, which
+# the submodule's call in that replay takes with the original pass's (both run there).
 
 _TENSOR_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _MODULE_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -103,16 +103,28 @@ def _named(items: Any, /) -> tuple[Any, ...]:
 # registered, which the forward removes only under grad (eager's forward does; the original
 # pass, under no-grad, does not), stays removed, even where it runs the very function the
 # forward registers (helpers QC, QE: kept by the hook object, an equal one counted; one that
-# cannot be referenced weakly or hashed was never put back). The latest per holder are kept
-# (keys only grow): ``_KEPT``, or four times as many as the record being made (helper QG: two
-# calls of 300 hooks each, the earlier call's replay removing the later's); pruned to the keys
-# still in the dict, one missing for an instant while a nested block's replay ran was dropped
-# (helper QF). Under a re-entrant lock: two threads' first steps record on one shared parameter
-# (helper QF: "Set changed size during iteration"), and a finalizer the collector runs inside
-# the lock may run a checkpointed forward on the same thread (helper QG: a plain lock hung).
-_MADE: dict[int, tuple[weakref.ref[Any], set[tuple[str, int]]]] = {}
+# cannot be referenced weakly or hashed was never put back). A key is kept while its hook is in
+# the dict, or while a replay that found it there (``before_replay``) has not decided on it
+# (``drop_repeated``): its pin. No count bounds it (helpers QG, QH: the latest 256, then 4x a
+# record, lost a hook still in use on a weight shared by layers called hundreds of times a
+# step), nor the dict alone (helper QF: a key out of the dict for an instant while a nested
+# block's replay ran was dropped). Under a re-entrant lock: two threads' first steps record on
+# one shared parameter (helper QF: "Set changed size during iteration"), and a finalizer the
+# collector runs inside the lock may run a checkpointed forward on the same thread (helper QG:
+# a plain lock hung). A replay whose forward raises leaves its pins (a few keys kept).
+_MADE: dict[int, _Registrations] = {}
 _MADE_LOCK = threading.RLock()
-_KEPT = 256
+
+
+class _Registrations:
+    """NOTE above: one holder's recorded registrations, and the pins of pending replays."""
+
+    __slots__ = ("ref", "keys", "pins")
+
+    def __init__(self, ref: weakref.ref[Any], /) -> None:
+        self.ref = ref
+        self.keys: set[tuple[str, int]] = set()
+        self.pins: dict[tuple[str, int], int] = {}
 
 
 def _unwrapped(hook: Any, /) -> Any:
@@ -126,25 +138,38 @@ def _record(holder: Any, name: str, keys: Iterable[int], /) -> None:
     ident = id(holder)
 
     def gone(ref: weakref.ref[Any], /) -> None:  # (no lock: the collector may run it anywhere)
-        if (now := _MADE.get(ident)) is not None and now[0] is ref:
+        if (now := _MADE.get(ident)) is not None and now.ref is ref:
             _MADE.pop(ident, None)
 
-    new = [(name, key) for key in keys]
-    kept = max(_KEPT, 4 * len(new))
     with _MADE_LOCK:
         entry = _MADE.get(ident)
-        if entry is None or entry[0]() is not holder:
-            entry = _MADE[ident] = (weakref.ref(holder, gone), set())
-        made = entry[1]
-        made.update(new)
-        if len(made) > kept:
-            made.difference_update(sorted(made, key=lambda e: e[1])[:len(made) - kept])
+        if entry is None or entry.ref() is not holder:
+            entry = _MADE[ident] = _Registrations(weakref.ref(holder, gone))
+        entry.keys = {e for e in entry.keys
+                      if e in entry.pins or e[1] in (getattr(holder, e[0], None) or ())}
+        entry.keys.update((name, key) for key in keys)
+
+
+def _pin(holder: Any, name: str, keys: Iterable[int], by: int, /) -> None:
+    """A replay found ``keys`` in ``holder``'s ``name`` dict (``by`` 1), or has decided on
+    them (``by`` -1): NOTE above."""
+    with _MADE_LOCK:
+        entry = _MADE.get(id(holder))
+        if entry is None or entry.ref() is not holder:
+            return
+        for key in keys:
+            if (name, key) in entry.keys:
+                count = entry.pins.get((name, key), 0) + by
+                if count > 0:
+                    entry.pins[name, key] = count
+                else:
+                    entry.pins.pop((name, key), None)
 
 
 def _was_made(holder: Any, name: str, key: int, /) -> bool:
     with _MADE_LOCK:
         entry = _MADE.get(id(holder))
-        return entry is not None and entry[0]() is holder and (name, key) in entry[1]
+        return entry is not None and entry.ref() is holder and (name, key) in entry.keys
 
 
 def _runs(hook: Any, /) -> tuple[Any, tuple[Any, ...]] | None:
@@ -239,7 +264,10 @@ class ForwardHooks:
             extras = [(d, dict(d)) for extra in _MODULE_EXTRAS
                       if isinstance(d := getattr(where, extra, None), dict)] \
                 if isinstance(where, nn.Module) else []
-            seen.append((hooks, dict(hooks), extras, holder_ref(), name, own))
+            holder = holder_ref()
+            if holder is not None:
+                _pin(holder, name, hooks, 1)
+            seen.append((hooks, dict(hooks), extras, holder, name, own))
         return seen
 
     def drop_repeated(self, since: int, inputs: Sequence[torch.Tensor],
@@ -252,6 +280,8 @@ class ForwardHooks:
         for hooks, held, extras, holder, name, own in before:
             back = [key for key in held if key not in hooks and (
                 key in own or holder is not None and _was_made(holder, name, key))]
+            if holder is not None:
+                _pin(holder, name, held, -1)
             if not back:
                 continue
             for key in back:
