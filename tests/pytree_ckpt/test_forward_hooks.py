@@ -1666,14 +1666,7 @@ class _Outer(nn.Module):
         return self.inner(x)
 
 
-_QH_NESTED = pytest.mark.xfail(
-    strict=True, reason="helper QH: nested, each outer replay's inner original pass records on "
-                        "the shared weight again, so the live hook is pruned from _MADE after "
-                        "~128 calls")
-
-
-@pytest.mark.parametrize("n", [10, 100, pytest.param(130, marks=_QH_NESTED),
-                               pytest.param(200, marks=_QH_NESTED)])
+@pytest.mark.parametrize("n", [10, 100, 130, 200])
 def test_nested_layers_replacing_hooks_on_a_shared_weight_give_eager_gradients(n: int) -> None:
     def make() -> nn.Module:
         m = _OneSharedWeightAThenManyB(n)
