@@ -106,8 +106,9 @@ class _NodeReversal(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and DDP: a prehook the "
-                   "forward registers on its input's node runs twice) (helper PW)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks "
+                   "and DDP: a prehook the forward registers on its input's node runs twice) "
+                   "(helper PW)")
 def test_a_reversal_prehook_on_the_inputs_node_gives_eager_gradients() -> None:
     def run(m: nn.Module) -> list[Any]:
         torch.manual_seed(1)
@@ -134,9 +135,9 @@ class _HookedInnerStep(nn.Module):
         return torch.tanh(x @ (w - 0.1 * g).t() + self.lin.bias)
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and DDP: an inner gradient "
-                   "of a parameter the forward hooks passes both registrations in the replay) "
-                   "(helper PW)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks "
+                   "and DDP: an inner gradient of a parameter the forward hooks passes both "
+                   "registrations in the replay) (helper PW)")
 def test_an_inner_step_on_a_weight_the_forward_hooks_gives_eager_gradients() -> None:
     def run(m: nn.Module) -> list[Any]:
         torch.manual_seed(1)
@@ -169,9 +170,9 @@ class _LazyBackwardHook(nn.Module):
         return self.lin(torch.tanh(self.sub(x)))
 
 
-@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks and DDP: a module backward "
-                   "hook the forward registers runs twice in the step that registers it) (helper"
-                   " PW)")
+@pytest.mark.xfail(strict=True, reason="documented limit (docs/limits.md, Gradient hooks "
+                   "and DDP: a module hook the forward registers runs twice in each replay "
+                   "that registers it) (helper PW)")
 def test_a_full_backward_hook_the_forward_registers_on_a_submodule_gives_eager_numbers(
         ) -> None:
     def run(m: nn.Module) -> list[Any]:
