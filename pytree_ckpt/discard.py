@@ -598,11 +598,13 @@ class CheckpointWithoutOutput:
                 given.append(a if kind is None else alias_as_kind(a, d, kind))
                 args.append(given[-1])
             handles_before = handles_made()
-            hooks_held = self.forward_hooks.before_replay() \
-                if self.forward_hooks is not None else []
-            outputs = self.fn(*args, **self.kwargs)
-            if self.forward_hooks is not None:
-                self.forward_hooks.drop_repeated(handles_before, given, hooks_held)
+            hooks = self.forward_hooks
+            hooks_held = hooks.before_replay() if hooks is not None else []
+            try:
+                outputs = self.fn(*args, **self.kwargs)
+            finally:  # settled even where the rebuild raises (helper QI)
+                if hooks is not None:
+                    hooks.drop_repeated(handles_before, given, hooks_held)
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).
         self.changed_state = self.changed_numbers = None

@@ -111,7 +111,7 @@ def _named(items: Any, /) -> tuple[Any, ...]:
 # block's replay ran was dropped). Under a re-entrant lock: two threads' first steps record on
 # one shared parameter (helper QF: "Set changed size during iteration"), and a finalizer the
 # collector runs inside the lock may run a checkpointed forward on the same thread (helper QG:
-# a plain lock hung). A replay whose forward raises leaves its pins (a few keys kept).
+# a plain lock hung). A replay whose forward raises settles them all the same (a ``finally``).
 _MADE: dict[int, _Registrations] = {}
 _MADE_LOCK = threading.RLock()
 
@@ -265,9 +265,10 @@ class ForwardHooks:
                       if isinstance(d := getattr(where, extra, None), dict)] \
                 if isinstance(where, nn.Module) else []
             holder = holder_ref()
+            held = dict(hooks)  # one call: another thread may register meanwhile (helper QI)
             if holder is not None:
-                _pin(holder, name, hooks, 1)
-            seen.append((hooks, dict(hooks), extras, holder, name, own))
+                _pin(holder, name, held, 1)
+            seen.append((hooks, held, extras, holder, name, own))
         return seen
 
     def drop_repeated(self, since: int, inputs: Sequence[torch.Tensor],

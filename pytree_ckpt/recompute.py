@@ -259,6 +259,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
     assert call.env is not None
     invocation = Invocation(_RECOMPUTE, call.frame, ACTIVE.get())
     args: tuple[Any, ...] = ()  # the error note reads it: an error before fn's are made too
+    # NOTE [hooks the forward registers on its parameters and inputs] (forward_hooks.py): what
+    # the replay's forward registered and removed is settled even where it raises (helper QI:
+    # a step skipped after a caught error left a hook more, and its pins, each time).
+    hooks_pending: tuple[int, Any, list[Any]] | None = None
     try:
         ACTIVE.set(invocation)  # inside the try, as the original pass's (boundary_function.py)
         with Replaying(call.env), IsolatedPass(cached=call.env.parametrize_cached):
@@ -322,8 +326,8 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 HookTables.replay(call.hook_tables, call.hook_dicts, call.hook_epoch)
             # NOTE [hooks the forward registers on its parameters and inputs]
             handles_before = handles_made() if call.forward_hooks is not None else 0
-            hooks_held = call.forward_hooks.before_replay() \
-                if call.forward_hooks is not None else []
+            if call.forward_hooks is not None:
+                hooks_pending = (handles_before, aliases, call.forward_hooks.before_replay())
             with numbers:
                 if not (shadow or call.attributes or call.options.keep is not None or
                         call.hooked_outputs is not None or call.changed_state is not None
@@ -357,8 +361,10 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                         if call.hooked_outputs is not None:
                             recorded = stack.enter_context(recording())
                         output = call.fn(*args, **kwargs)
-                if call.forward_hooks is not None:
-                    call.forward_hooks.drop_repeated(handles_before, aliases, hooks_held)
+                if hooks_pending is not None:
+                    assert call.forward_hooks is not None
+                    call.forward_hooks.drop_repeated(*hooks_pending)
+                    hooks_pending = None
                 if first is not None:
                     first.check(call)
             if call.changed_numbers is not None and call.changed_numbers.gave_back and \
@@ -407,7 +413,11 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "checkpointed call.")
         raise
     finally:
-        ACTIVE.set(invocation.parent)
+        try:
+            if hooks_pending is not None and call.forward_hooks is not None:
+                call.forward_hooks.drop_repeated(*hooks_pending)
+        finally:
+            ACTIVE.set(invocation.parent)
     if plain is not None:  # outside the try: a warning made an error gets no replay note
         assert call.plain_state is not None
         call.plain_state.after_replay(plain)
