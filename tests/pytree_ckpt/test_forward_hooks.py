@@ -1896,3 +1896,182 @@ def test_output_discards_whose_rebuild_never_runs_leave_one_made_key_over_50_ste
             eager.zero_grad()
     entry = forward_hooks._MADE[id(m.lin.weight)]
     assert (len(m.lin.weight._backward_hooks), len(entry.keys), len(entry.pins)) == (1, 1, 0)
+
+
+# -- helper QJ: replays that raise (review of 8993036) -----------------------------------------
+
+_QJ_FAIL: list[Any] = [None]  # read at the replay (a global: not put back as the forward began)
+_QJ_CALLS = [0]
+
+
+class _QJInner(nn.Module):
+    """Replaces its weight hook at every call and reverses its input's gradient; raises
+    ``_QJ_FAIL[0]`` in its replay where it is an exception type and ``where`` is "inner"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.handle: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.lin.weight.register_hook(lambda g: g * 0.5)
+        if x.requires_grad:
+            x.register_hook(lambda g: -g)
+        fail = _QJ_FAIL[0]
+        if fail is not None and fail[1] == "inner" and \
+                pytree_ckpt.current_phase() == pytree_ckpt.Phase.RECOMPUTE:
+            raise fail[0]("simulated: raised by the replay")
+        return torch.tanh(self.lin(x))
+
+
+class _QJMid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.r, self.handle = nn.Linear(4, 4), _QJInner(), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.b.weight.register_hook(lambda g: g * 3)
+        y = self.r(self.b(x))
+        fail = _QJ_FAIL[0]
+        if fail is not None and fail[1] == "outer" and \
+                pytree_ckpt.current_phase() == pytree_ckpt.Phase.RECOMPUTE:
+            raise fail[0]("simulated: raised by the replay")
+        return y
+
+
+class _QJTop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.m = nn.Linear(4, 4), _QJMid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m(self.a(x))
+
+
+def _qj_failing_steps(n: int, exc: type[BaseException], where: str
+                      ) -> Callable[[nn.Module], list[Any]]:
+    """``n`` steps, every other one's replay raising ``exc`` (eager's, by hand) and skipped;
+    the error checked once: its type, and no error from the settling chained to it."""
+    def run(m: nn.Module) -> list[Any]:
+        ours = getattr(m, "_ours", False)
+        got: list[Any] = []
+        for step in range(n):
+            torch.manual_seed(step)
+            _QJ_FAIL[0] = None
+            loss = m(torch.randn(3, 4)).pow(2).sum()
+            fail = step % 2 == 0
+            _QJ_FAIL[0] = (exc, where) if fail else None
+            try:
+                if fail and not ours:
+                    raise exc("eager's step fails alike")
+                loss.backward()
+                got += [loss.detach(), *(p.grad.clone() for p in m.parameters())]
+            except exc as error:
+                assert type(error) is exc and error.__context__ is None
+                got.append(step)
+            finally:
+                _QJ_FAIL[0] = None
+            m.zero_grad()
+        return got + [len(m.m.r.lin.weight._backward_hooks), len(m.m.b.weight._backward_hooks)]
+    return run
+
+
+def _qj_wrap(nested: bool) -> Callable[[nn.Module], None]:
+    def wrap(m: nn.Module) -> None:
+        m._ours = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if nested:
+                pytree_ckpt.checkpoint_layers([m.m])
+            pytree_ckpt.checkpoint_layers([m.m.r])
+    return wrap
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, torch.OutOfMemoryError, ValueError])
+def test_a_replay_raising_keeps_its_error_and_the_steps_after_give_eager_gradients(
+        exc: type[BaseException]) -> None:
+    _against_eager(_QJTop, _qj_failing_steps(6, exc, "inner"), wrap=_qj_wrap(False))
+
+
+@pytest.mark.parametrize("where", ["inner", "outer"])
+def test_nested_replays_raising_keep_their_error_and_the_steps_after_give_eager_gradients(
+        where: str) -> None:
+    from pytree_ckpt import forward_hooks
+
+    _against_eager(_QJTop, _qj_failing_steps(8, torch.OutOfMemoryError, where),
+                   wrap=_qj_wrap(True))
+    torch.manual_seed(0)
+    m = _QJTop()
+    _qj_wrap(True)(m)
+    _qj_failing_steps(20, torch.OutOfMemoryError, where)(m)
+    for p in (m.m.r.lin.weight, m.m.b.weight):
+        entry = forward_hooks._MADE[id(p)]
+        assert len(entry.keys) <= 2 and not entry.pins
+
+
+def test_a_replay_raising_then_the_same_backward_again_gives_eager_gradients() -> None:
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(3):
+            torch.manual_seed(step)
+            loss = m(torch.randn(3, 4)).pow(2).sum()
+            if getattr(m, "_ours", False):
+                _QJ_FAIL[0] = (RuntimeError, "inner")
+                with pytest.raises(RuntimeError, match="simulated"):
+                    loss.backward(retain_graph=True)
+                _QJ_FAIL[0] = None
+            loss.backward()
+            got += [loss.detach(), *(p.grad.clone() for p in m.parameters())]
+            m.zero_grad()
+        return got + [len(m.m.r.lin.weight._backward_hooks)]
+    _against_eager(_QJTop, run, wrap=_qj_wrap(False))
+
+
+def test_an_output_discards_rebuild_raising_keyboard_interrupt_leaves_eager_steps_after(
+        ) -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.handle = nn.Linear(4, 4), None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.handle is not None:
+                self.handle.remove()
+            self.handle = self.lin.weight.register_hook(lambda g: g * 0.5)
+            x.register_hook(lambda g: -g)
+            _QJ_CALLS[0] += 1
+            if _QJ_FAIL[0] is not None and _QJ_CALLS[0] == 2:
+                raise KeyboardInterrupt
+            return torch.tanh(self.lin(x))
+
+    torch.manual_seed(0)
+    m, before = Block(), nn.Linear(4, 4)
+    em, eb = copy.deepcopy(m), copy.deepcopy(before)
+    for step in range(4):
+        torch.manual_seed(step)
+        xin = torch.randn(3, 4)
+        _QJ_FAIL[0], _QJ_CALLS[0] = None, 0
+        ckpt = pytree_ckpt.CheckpointWithoutOutput()
+        loss = (ckpt.checkpoint(m, before(xin)) * 2).sum()
+        ckpt.discard_output_and_register_recompute(loss)
+        want = (em(eb(xin)) * 2).sum()
+        _QJ_CALLS[0] = 1  # the rebuild is the second call (eager's twin called meanwhile)
+        if step % 2 == 0:
+            _QJ_FAIL[0] = True
+            with pytest.raises(KeyboardInterrupt):
+                loss.backward()
+            _QJ_FAIL[0] = None
+        else:
+            loss.backward()
+            want.backward()
+            assert torch.equal(loss, want)
+            for p, q in zip([*m.parameters(), *before.parameters()],
+                            [*em.parameters(), *eb.parameters()]):
+                assert torch.equal(p.grad, q.grad)
+        for mod in (m, before, em, eb):
+            mod.zero_grad()
+    assert len(m.lin.weight._backward_hooks) == len(em.lin.weight._backward_hooks) == 1
