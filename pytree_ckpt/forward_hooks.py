@@ -67,9 +67,11 @@ _MODULE_EXTRAS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"
 _NOT_USERS = ("torch.", "pytree_ckpt.", "offload.")
 
 # (where: a slot of the call's inputs, or the parameter or module itself; the dict's name;
-# each registration there: its key, what it runs and the hook; the dict it is in)
+# each registration there: its key, what it runs and the hook; the dict it is in; its holder,
+# weakly: an input's is the caller's tensor)
 _Found = tuple[Any, str, list[tuple[int, Any, Any]], dict[Any, Any], weakref.ref[Any]]
-# (a hook dict, its entries, and a module's option dicts with their entries)
+# (a hook dict, its entries, a module's option dicts with their entries, the holder or None
+# once gone, the dict's name, and the keys this call registered there)
 _Held = tuple[dict[Any, Any], dict[Any, Any], list[tuple[dict[Any, Any], dict[Any, Any]]],
               Any, str, set[int]]
 
