@@ -2253,24 +2253,32 @@ class _HooksItsWeightOnce(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+class _OpThenLinear(nn.Module):
+    """``b(a(x))``, ``a``'s output discarded where ``discard`` is set (its eager twin's not)."""
+
+    def __init__(self, a: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, nn.Linear(4, 4)
+        self.discard = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.discard:
+            return self.b(self.a(x))
+        ctx = pytree_ckpt.CheckpointWithoutOutput()
+        y = ctx.checkpoint(self.a, x)
+        z = self.b(y)
+        ctx.discard_output_and_register_recompute(z)
+        return z
+
+
+class _OpThenLinearTwice(_OpThenLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(super().forward(x))
+
+
 def test_a_hook_a_discarded_op_registers_on_its_weight_runs_once() -> None:
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = _HooksItsWeightOnce(), nn.Linear(4, 4)
-            self.discard = False
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if not self.discard:
-                return self.b(self.a(x))
-            ctx = pytree_ckpt.CheckpointWithoutOutput()
-            y = ctx.checkpoint(self.a, x)
-            z = self.b(y)
-            ctx.discard_output_and_register_recompute(z)
-            return z
-
     torch.manual_seed(0)
-    eager = Model()
+    eager = _OpThenLinear(_HooksItsWeightOnce())
     ours = copy.deepcopy(eager)
     ours.discard = True
     res = []
@@ -2365,26 +2373,8 @@ class _ReplacesItsWeightHook(nn.Module):
 
 
 def test_a_hook_replaced_at_every_call_of_an_op_discarded_twice_a_step_runs_once() -> None:
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = _ReplacesItsWeightHook(), nn.Linear(4, 4)
-            self.discard = False
-
-        def one(self, x: torch.Tensor) -> torch.Tensor:
-            if not self.discard:
-                return self.b(self.a(x))
-            ctx = pytree_ckpt.CheckpointWithoutOutput()
-            y = ctx.checkpoint(self.a, x)
-            z = self.b(y)
-            ctx.discard_output_and_register_recompute(z)
-            return z
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.one(self.one(x))
-
     torch.manual_seed(0)
-    eager = Model()
+    eager = _OpThenLinearTwice(_ReplacesItsWeightHook())
     ours = copy.deepcopy(eager)
     ours.discard = True
     for step in range(3):

@@ -40,6 +40,18 @@ def _grads(m: nn.Module, x: torch.Tensor, *more: torch.Tensor) -> list[Any]:
             *(p.grad.clone() for p in m.parameters())]
 
 
+def _steps(n: int, *, rows: int = 3) -> Callable[[nn.Module], list[Any]]:
+    """``n`` steps, each on a batch of ``rows`` seeded by the step: loss and every gradient."""
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(n):
+            torch.manual_seed(step)
+            got += _grads(m, torch.randn(rows, 4))
+            m.zero_grad()
+        return got
+    return run
+
+
 # -- findings ------------------------------------------------------------------------------
 
 class _MixedGuards(nn.Module):
@@ -685,13 +697,7 @@ def test_hooks_each_layer_replaces_on_a_shared_weight_keep_eager_order_and_gradi
         pytree_ckpt.apply_activation_checkpointing(m.l1)
         pytree_ckpt.apply_activation_checkpointing(m.l2)
 
-    def run(m: nn.Module) -> list[Any]:
-        got: list[Any] = []
-        for step in range(3):
-            torch.manual_seed(step)
-            got += _grads(m, torch.randn(3, 4))
-            m.zero_grad()
-        return got
+    run = _steps(3)
     _against_eager(_TwoOwnHandles, run, wrap=wrap)
 
 
@@ -860,13 +866,7 @@ def test_a_reversal_hook_replaced_at_every_call_on_the_input_gives_eager_gradien
     def wrap(m: nn.Module) -> None:
         pytree_ckpt.apply_activation_checkpointing(m.m)
 
-    def run(m: nn.Module) -> list[Any]:
-        got: list[Any] = []
-        for step in range(3):
-            torch.manual_seed(step)
-            got += _grads(m, torch.randn(3, 4))
-            m.zero_grad()
-        return got
+    run = _steps(3)
     _against_eager(_BeforeReversal, run, wrap=wrap)
 
 
@@ -971,11 +971,9 @@ class _CallsTwiceOnOneInput(nn.Module):
         return self.layer(x) + self.layer(x)
 
 
-@pytest.mark.parametrize("kind", ["view", "computed_then_dropped"])
-def test_a_hook_replaced_on_an_input_passed_twice_a_step_gives_eager_gradients(kind: str) -> None:
-    def wrap(m: nn.Module) -> None:
-        pytree_ckpt.apply_activation_checkpointing(m.layer)
-
+def _steps_on_an_input_dropped(kind: str) -> Callable[[nn.Module], list[Any]]:
+    """Three steps on an input the caller drops after the call: a view of a leaf, or computed
+    from it; the leaf's gradient with the loss and every parameter's."""
     def run(m: nn.Module) -> list[Any]:
         got: list[Any] = []
         for step in range(3):
@@ -989,6 +987,15 @@ def test_a_hook_replaced_on_an_input_passed_twice_a_step_gives_eager_gradients(k
             got += [loss.detach(), x0.grad, *(p.grad.clone() for p in m.parameters())]
             m.zero_grad()
         return got
+    return run
+
+
+@pytest.mark.parametrize("kind", ["view", "computed_then_dropped"])
+def test_a_hook_replaced_on_an_input_passed_twice_a_step_gives_eager_gradients(kind: str) -> None:
+    def wrap(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.layer)
+
+    run = _steps_on_an_input_dropped(kind)
     _against_eager(_CallsTwiceOnOneInput, run, wrap=wrap)
 
 
@@ -1002,19 +1009,7 @@ def test_hooks_replaced_on_offloaded_inputs_give_eager_gradients(kind: str) -> N
     def wrap(m: nn.Module) -> None:
         pytree_ckpt.checkpoint_layers(list(m), offload=OffloadManager(OffloadConfig(min_bytes=0)))
 
-    def run(m: nn.Module) -> list[Any]:
-        got: list[Any] = []
-        for step in range(3):
-            torch.manual_seed(step)
-            x0 = torch.randn(6, 8, requires_grad=True)
-            x = x0[:, :4] if kind == "view" else x0[:, :4] * 2
-            y = m(x)
-            del x
-            loss = y.pow(2).sum()
-            loss.backward()
-            got += [loss.detach(), x0.grad, *(p.grad.clone() for p in m.parameters())]
-            m.zero_grad()
-        return got
+    run = _steps_on_an_input_dropped(kind)
     _against_eager(make, run, wrap=wrap)
 
 
@@ -1063,13 +1058,7 @@ class _ReplacesHookObject(nn.Module):
 
 @pytest.mark.parametrize("kind", [_SlottedScale, _ComparedScale], ids=["slots", "eq_no_hash"])
 def test_a_replaced_hook_object_without_weakref_or_hash_gives_eager_gradients(kind: type) -> None:
-    def run(m: nn.Module) -> list[Any]:
-        got: list[Any] = []
-        for step in range(2):
-            torch.manual_seed(step)
-            got += _grads(m, torch.randn(6, 4))
-            m.zero_grad()
-        return got
+    run = _steps(2, rows=6)
     _against_eager(lambda: _ReplacesHookObject(kind), run)
 
 
@@ -1205,13 +1194,7 @@ def test_a_replaced_builtin_hook_gives_eager_gradients() -> None:
             self.handle = self.lin.weight.register_hook(operator.neg)
             return torch.tanh(self.lin(x))
 
-    def run(m: nn.Module) -> list[Any]:
-        got: list[Any] = []
-        for step in range(2):
-            torch.manual_seed(step)
-            got += _grads(m, torch.randn(6, 4))
-            m.zero_grad()
-        return got
+    run = _steps(2, rows=6)
     _against_eager(_Neg, run)
 
 
@@ -1252,17 +1235,6 @@ class _TwoLayersOneSharedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.l2(self.l1(x))
-
-
-def _steps(n: int) -> Callable[[nn.Module], list[Any]]:
-    def run(m: nn.Module) -> list[Any]:
-        got: list[Any] = []
-        for step in range(n):
-            torch.manual_seed(step)
-            got += _grads(m, torch.randn(3, 4))
-            m.zero_grad()
-        return got
-    return run
 
 
 def test_a_hook_a_nested_checkpointed_block_replaces_on_its_weight_gives_eager_gradients(
