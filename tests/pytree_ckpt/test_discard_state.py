@@ -350,6 +350,24 @@ def test_a_discarded_op_whose_kernel_writes_its_buffers_updates_them_once_as_eag
                     p.grad = None
 
 
+@pytest.mark.parametrize("kind", ["fused fake-quant", "ema through .data"])
+def test_a_deepcopy_of_a_discarded_op_whose_kernel_writes_its_buffers_updates_them_once_as_eager(
+        kind: str) -> None:
+    # The first discarded call's compare is marked on the module (its structure generation)
+    # beside the dicts it found written; a deepcopy carries both (deepcopy registers no
+    # submodule, so the generation holds): the copy must count the same dicts as changed at
+    # its own calls, as the original does, or its rebuild updates them twice.
+    torch.manual_seed(0)
+    op = torch.ao.quantization.FusedMovingAvgObsFakeQuantize() \
+        if kind == "fused fake-quant" else _EmaThroughData()
+    proj = nn.Linear(16, 16)
+    twin_op, twin_proj = copy.deepcopy(op), copy.deepcopy(proj)
+    _discard_step_equals_the_twins(op, proj, twin_op, twin_proj, 0)
+    op, twin_op = copy.deepcopy(op), copy.deepcopy(twin_op)
+    for step in range(1, 3):
+        _discard_step_equals_the_twins(op, proj, twin_op, twin_proj, step)
+
+
 class _CountedBatchNorm(nn.BatchNorm1d):
     calls = 0  # forward calls of every instance: the original pass and the rebuild count each
 
