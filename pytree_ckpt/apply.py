@@ -7,6 +7,7 @@ module is module.py's.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import warnings
@@ -21,6 +22,7 @@ from .errors import CheckpointConfigError
 from .module import install_boundary, is_checkpointed, label_boundary, refuse_other_options
 from .refusals import require_module
 from .torch_options import refuses_torch_options
+from .torch_wrappers import refuse_reentrant_torch_wrappers, warn_inside_torch_wrapper
 from .tree import describe_leaf, dunder
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -131,6 +133,8 @@ def _refuse_policy(check_fn: object, /) -> None:
     classes = (list(check_fn) if isinstance(check_fn, (set, frozenset, list, tuple))
                else [check_fn] if isinstance(check_fn, type) else None)
     if classes is None and callable(check_fn):
+        if _policy_classes(check_fn) or _wants_more_than_a_module(check_fn):
+            _refuse_wrap_policy(check_fn)
         return
     named = _class_names(classes or [])
     test = _isinstance_test(named)
@@ -144,6 +148,33 @@ def _refuse_policy(check_fn: object, /) -> None:
         "check_fn is called with each module and returns whether to checkpoint it",
         expected="a function of a module returning a bool", got=got,
         tip=f"check_fn=lambda m: {test} (what torchtune's auto_wrap_policy={{Layer}} means)")
+
+
+def _wants_more_than_a_module(check_fn: Callable[..., object], /) -> bool:
+    """Whether ``check_fn`` needs more than one positional argument: an FSDP wrap policy
+    (``ModuleWrapPolicy``, a ``(module, recurse, nonwrapped_numel)`` function, a partial of
+    ``lambda_auto_wrap_policy``), which torchtune's ``set_activation_checkpointing`` takes."""
+    try:
+        parameters = inspect.signature(check_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return False
+    return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in parameters) > 1
+
+
+def _refuse_wrap_policy(policy: Callable[..., object], /) -> None:
+    """An FSDP wrap policy given as ``check_fn`` failed with Python's "missing 1 required
+    positional argument: 'recurse'" from the first call (helper QL)."""
+    test = _isinstance_test(_class_names(_policy_classes(policy)))
+    keywords = getattr(policy, "keywords", None)  # partial(lambda_auto_wrap_policy, lambda_fn=f)
+    chooser = keywords.get("lambda_fn") if isinstance(keywords, dict) else None
+    raise CheckpointConfigError(
+        "check_fn is called with each module and returns whether to checkpoint it; an FSDP "
+        "wrap policy (called with module, recurse and nonwrapped_numel) is not one",
+        expected="a function of a module returning a bool", got=_describe_keyword(policy),
+        tip=(f"check_fn={_describe_keyword(chooser)}, the policy's lambda_fn (called with "
+             "each module)" if callable(chooser) else
+             f"check_fn=lambda m: {test} (what torchtune's auto_wrap_policy means)"))
 
 
 def _class_names(classes: Iterable[object], /) -> list[str]:
@@ -257,70 +288,6 @@ def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
                         + ("; to leave the model out as torch does: check_fn=lambda m: m is "
                            "not model and ..." if outer == "" else ""))
     return chosen
-
-
-def _torch_wrapper(module: nn.Module, /) -> bool:
-    # Known by its class's name and package: an isinstance test would import torch.distributed
-    # for every user.
-    return any(klass.__name__ == "CheckpointWrapper" and
-               klass.__module__.startswith("torch.distributed.") for klass in type(module).__mro__)
-
-
-def refuse_reentrant_torch_wrappers(chosen: Sequence[tuple[str, nn.Module]], /) -> None:
-    """A layer about to be checkpointed that is, or holds anywhere below it, torch's
-    CheckpointWrapper with CheckpointImpl.REENTRANT: torch's reentrant checkpoint inside this
-    boundary refuses every backward (helper FR: a warning saying gradients stay exact, then
-    each backward refused); refused before any layer changes (helper FT: checkpoint_layers had
-    checkpointed the layers before it)."""
-    for path, layer in chosen:
-        for inner, m in layer.named_modules():
-            impl = getattr(m, "checkpoint_impl", None) if _torch_wrapper(m) else None
-            if getattr(impl, "name", None) != "REENTRANT":
-                continue
-            what = (f"{path or type(layer).__name__} is" if not inner else
-                    f"{path or type(layer).__name__} holds at {inner!r}")
-            raise CheckpointConfigError(
-                f"{what} torch.distributed's CheckpointWrapper with CheckpointImpl.REENTRANT, "
-                "whose reentrant checkpoint cannot run inside this boundary: every backward "
-                "would be refused",
-                expected="no torch checkpoint wrapper inside a layer checkpointed here",
-                got=f"CheckpointWrapper(checkpoint_impl=CheckpointImpl.REENTRANT) at "
-                    f"{inner or '(the layer itself)'}",
-                tip="take the layer out of torch's wrapper (module._checkpoint_wrapped_module, "
-                    "or drop the checkpoint_wrapper call) and keep pytree_ckpt's")
-
-
-def warn_inside_torch_wrapper(model: nn.Module | None,
-                              chosen: Sequence[tuple[str, nn.Module]], /) -> None:
-    """NOTE [a layer left in torch's wrapper]: a layer still inside torch.distributed's
-    ``checkpoint_wrapper`` (a migration half done), or holding one, and checkpointed here too
-    runs its forward three times a step (eager's, torch's recompute, this replay; gradients
-    stay exact) where once more than eager is needed (helper FO): warned once per apply,
-    naming the layers (one holding a reentrant wrapper, whose every backward would be refused,
-    is refused at once), as transformers' own
-    checkpointing left on is (``warn_stacked_checkpointing``). ``chosen``: (path in ``model``,
-    module) pairs about to be checkpointed; their subtrees, and their ancestors in ``model``
-    where given, are looked at (layers given in a list have no known ancestors: ``path`` then
-    only names them)."""
-    refuse_reentrant_torch_wrappers(chosen)
-    found = []
-    for path, layer in chosen:
-        inner = next((name for name, m in layer.named_modules() if _torch_wrapper(m)), None)
-        parts = path.split(".") if path and model is not None else []
-        outer = next((".".join(parts[:i]) for i in range(len(parts)) if model is not None and
-                      _torch_wrapper(model.get_submodule(".".join(parts[:i])))), None)
-        if inner is not None or outer is not None:
-            found.append(f"{path or type(layer).__name__} ("
-                         + (f"inside the CheckpointWrapper {outer or 'the model'}" if outer
-                            is not None else f"holding the CheckpointWrapper {inner or 'itself'}")
-                         + ")")
-    if found:
-        warnings.warn(
-            f"pytree_ckpt: {', '.join(found[:3])}{' and others' if len(found) > 3 else ''} "
-            "checkpointed twice: torch.distributed's checkpoint_wrapper recomputes it too, so "
-            "each step runs its forward once more than needed (gradients stay exact). Tip: "
-            "take the layer out of torch's wrapper (module._checkpoint_wrapped_module, or drop "
-            "the checkpoint_wrapper call) and keep pytree_ckpt's", stacklevel=user_stacklevel())
 
 
 def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float, /

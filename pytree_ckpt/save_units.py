@@ -24,11 +24,11 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .apply import (layer_count, layer_labels, listed_layers, refuse_checkpointed_beyond,
-                    resolve_offload, validate_ratio, warn_inside_torch_wrapper,
-                    warn_offload_unused)
+                    resolve_offload, validate_ratio, warn_offload_unused)
 from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
@@ -38,6 +38,7 @@ from .kept_callables import (KeptCallables, _KeptMethod, kept_methods, near_miss
 from .kept_ops import KeptOps, RecomputeTarget
 from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
 from .torch_options import refuses_torch_options
+from .torch_wrappers import warn_inside_torch_wrapper
 from .tree import describe_leaf, dunder
 
 if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at run time
@@ -65,10 +66,30 @@ class SaveUnit(str, enum.Enum):
 RecomputeTargetMap = Mapping[Any, RecomputeTarget]
 
 
+# torch's selective checkpointing moved over as it is: its op list, an op's name, or the
+# context_fn (a partial of create_selective_checkpoint_contexts) put in `save`, where units go
+# (helper QL: the tips spoke of unit names and Megatron only).
+_OPS_TIP = ("ops go in the targets, under a unit that `save` names: apply_recompute_config("
+            "layers, RecomputeConfig(1.0, save=['attn']), {SaveUnit.ATTN: KeptOps("
+            "'aten::mm.default', ...)}) keeps them (docs/save_units.md)")
+
+
+def _torch_ops(value: object, /) -> bool:
+    """Whether ``value`` is torch's way to name ops for selective checkpointing: an op or op
+    packet (``torch.ops.aten.mm.default``), an op's name (``"aten::mm"``), or a context_fn or
+    policy function."""
+    return isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or \
+        isinstance(value, str) and "::" in value or callable(value)
+
+
 def _unit(value: object, /) -> SaveUnit:
     try:
         return SaveUnit(value)
     except ValueError:
+        if _torch_ops(value):
+            raise CheckpointConfigError(
+                f"unknown save unit {value!r}: `save` names units, not ops",
+                expected=[u.value for u in SaveUnit], got=repr(value), tip=_OPS_TIP) from None
         raise CheckpointConfigError(
             f"unknown save unit {value!r}", expected=[u.value for u in SaveUnit], got=repr(value),
             tip="use SaveUnit members or their string values. `save` lists what stays "
@@ -97,7 +118,8 @@ class RecomputeConfig:
             raise CheckpointConfigError(
                 "RecomputeConfig.save takes None, a bool, or a list of save units",
                 expected="None | bool | list[SaveUnit | str]", got=repr(save),
-                tip="wrap a single unit in a list: save=['attn']")
+                tip=_OPS_TIP if _torch_ops(save) else "wrap a single unit in a list: "
+                                                      "save=['attn']")
         units = tuple(dict.fromkeys(_unit(v) for v in save))
         object.__setattr__(self, "save", units)
 

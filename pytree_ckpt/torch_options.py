@@ -42,6 +42,9 @@ TORCH_OPTIONS = {
 _WRAPPER_OPTIONS = {
     "checkpoint_impl": "drop checkpoint_impl (the boundary is always reentrant-style, and takes "
                        "any PyTree)",
+    "checkpoint_fn": "drop checkpoint_fn (the boundary is pytree_ckpt's own checkpoint; its "
+                     "options are this call's keywords: preserve_rng_state=, offload=, "
+                     "verify_replay=)",
 }
 
 
@@ -70,12 +73,16 @@ def refuses_torch_options(fn: Callable[P, R], /) -> Callable[P, R]:
     those ``fn`` takes itself. Its signature is unchanged; a call costs one set intersection
     (these functions run once, when the model is set up)."""
     # Less those fn takes itself (preserve_rng_state).
-    known = (TORCH_OPTIONS.keys() | _WRAPPER_OPTIONS.keys()) - \
-        inspect.signature(fn).parameters.keys()
+    parameters = inspect.signature(fn).parameters
+    known = (TORCH_OPTIONS.keys() | _WRAPPER_OPTIONS.keys()) - parameters.keys()
     name = getattr(fn, "__name__", "this call")
+    positional = [p.name for p in parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        if len(args) > len(positional):
+            _refuse_positional(name, positional, args, "check_fn" in parameters)
         given = sorted(known & kwargs.keys()) if kwargs else []
         if given:
             raise CheckpointConfigError(
@@ -88,3 +95,51 @@ def refuses_torch_options(fn: Callable[P, R], /) -> Callable[P, R]:
         return fn(*args, **kwargs)
 
     return checked
+
+
+def _refuse_positional(name: str, positional: list[str], args: tuple[object, ...],
+                       takes_check_fn: bool, /) -> None:
+    """torch.distributed's ``apply_activation_checkpointing(model, checkpoint_wrapper_fn,
+    check_fn)`` and torchtune's ``set_activation_checkpointing(model, {Layer})`` pass options
+    by position, which these calls take by keyword: Python's "takes 1 positional argument but
+    3 were given" named no fix (helper QL)."""
+    extra = args[len(positional):]
+    classes = [c for value in extra
+               for c in (value if isinstance(value, (set, frozenset, list, tuple))
+                         else [value]) if isinstance(c, type)]
+    test = (f"isinstance(m, {classes[0].__name__})" if len(classes) == 1 else
+            f"isinstance(m, ({', '.join(c.__name__ for c in classes)}))" if classes else
+            "isinstance(m, Layer)")
+    raise CheckpointConfigError(
+        f"{name} takes {len(positional)} positional argument{'s' * (len(positional) > 1)} "
+        f"({', '.join(positional)}) and its options by keyword; {len(extra)} more "
+        f"{'was' if len(extra) == 1 else 'were'} given by position"
+        + (" (torch.distributed's apply_activation_checkpointing and torchtune's "
+           "set_activation_checkpointing take them so)" if takes_check_fn else ""),
+        expected=f"{name}({', '.join(positional)}, <option>=...)",
+        got=f"{len(args)} positional arguments: "
+            + ", ".join(_short(value) for value in args),
+        tip=(f"{name}({positional[0]}, check_fn=lambda m: {test}), without "
+             "checkpoint_wrapper_fn: the wrapper is pytree_ckpt's own (docs/boundary.md, "
+             "'Coming from torch's checkpoint')" if takes_check_fn else
+             _POSITIONAL_TIPS.get(name, "pass the options by keyword")))
+
+
+_POSITIONAL_TIPS = {
+    "checkpointed": "checkpointed(fn, <option>=...) returns the wrapped function: call it with "
+                    "the arguments, checkpointed(fn)(*args), or pytree_ckpt.checkpoint(fn, "
+                    "*args)",
+    "checkpoint_layers": "checkpoint_layers(layers, ratio=...): the ratio is a keyword",
+}
+
+
+def _short(value: object, /) -> str:
+    """A positional argument for the message: a class or function by name, else its type."""
+    if isinstance(value, type):
+        return value.__name__
+    label = getattr(value, "__qualname__", None)
+    if callable(value) and isinstance(label, str):
+        return label
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__

@@ -281,3 +281,48 @@ def test_the_two_limits_rows_on_a_number_a_call_only_reads_agree_with_the_code()
     # The row names the give-back beside a value the forward changed (helper PR: it named only
     # a small tensor or buffer given back there).
     assert "or beside a plain value its forward changed there" in said, said
+
+
+def test_the_checkpoint_sequential_row_gives_torchs_segment_layout() -> None:
+    # torch's checkpoint_sequential(seq, segments, x) checkpoints segments - 1 groups of
+    # len // segments modules and runs the rest plain: a module it checkpoints runs twice a
+    # step. The row's recipe, run as written, must run the same modules twice (helper QL: the
+    # row's slices checkpointed one group more where the length does not divide).
+    import torch
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    import pytree_ckpt
+
+    row = next(line for line in (ROOT / "docs" / "boundary.md").read_text().splitlines()
+               if line.startswith("| `checkpoint_sequential("))
+    recipe = [span.strip("`") for span in CODE_SPAN.findall(row)
+              if re.match(r"`(k|groups|rest) = ", span)]
+    assert [r.split(" =")[0] for r in recipe] == ["k", "groups", "rest"], row
+
+    calls: list[torch.nn.Module] = []  # outside the modules: the boundary puts back their own
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(self)
+            return super().forward(x)
+
+    for length, segments in ((10, 3), (8, 4), (7, 2)):
+        runs = []
+        for how in ("torch", "row"):
+            torch.manual_seed(0)
+            seq = torch.nn.Sequential(*(Counted(4, 4) for _ in range(length)))
+            calls.clear()
+            x = torch.randn(2, 4, requires_grad=True)
+            if how == "torch":
+                out = checkpoint_sequential(seq, segments, x, use_reentrant=False)
+            else:
+                namespace: dict[str, Any] = {"seq": seq, "segments": segments}
+                for statement in recipe:
+                    exec(statement, namespace)  # noqa: S102
+                out = x
+                for group in namespace["groups"]:
+                    out = pytree_ckpt.checkpoint(group, out)
+                out = namespace["rest"](out)
+            out.sum().backward()
+            runs.append([sum(c is m for c in calls) for m in seq])
+        assert runs[0] == runs[1], (length, segments, runs)

@@ -884,3 +884,118 @@ def test_a_buffer_viewed_anew_more_ways_with_micro_batches_gives_eager_steps(
         assert_same_grads(grads, grads2)
         assert all(b.dtype == b2.dtype and b.is_neg() == b2.is_neg() and torch.equal(b, b2)
                    for b, b2 in zip(bufs, bufs2)), step
+
+
+def test_a_layer_inside_a_reentrant_torch_wrapper_is_refused_or_gives_eager_gradients() -> None:
+    # torchtune's / torch.distributed's apply_activation_checkpointing(model,
+    # checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=REENTRANT)) left on,
+    # then the docs' apply_activation_checkpointing(model, check_fn=isinstance Block): the
+    # layer is inside the wrapper (not holding it, which is refused). An input that needs no
+    # grad (frozen embeddings under LoRA): torch's reentrant wrapper around the boundary returns
+    # no gradient for any layer, where eager gives them all; the warning says they stay exact.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    eager = _model()
+    model = copy.deepcopy(eager)
+    for i in (0, 1):
+        model[i] = checkpoint_wrapper(model[i], checkpoint_impl=CheckpointImpl.REENTRANT)
+    x = torch.randn(6, 8)  # requires no grad
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pytree_ckpt.apply_activation_checkpointing(
+                model, check_fn=lambda m: isinstance(m, _Block), offload=False)
+    except pytree_ckpt.CheckpointConfigError as refused:
+        assert "CheckpointImpl.REENTRANT" in str(refused)
+        return
+    for m in (eager, model):
+        torch.manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(x).square().sum().backward()
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_a_model_migrated_from_torchs_checkpoint_wrapper_loads_the_old_state_dict_and_names(
+        ) -> None:
+    # The old model wrapped by torch.distributed's apply_activation_checkpointing
+    # (NO_REENTRANT): its state_dict (saved to a file) loads into the migrated model as it is,
+    # whose parameter, module and state_dict names are the unwrapped model's, with eager's
+    # gradients.
+    import io
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as torch_apply, checkpoint_wrapper)
+
+    eager = _model()
+    old = copy.deepcopy(eager)
+    torch_apply(old, checkpoint_wrapper_fn=checkpoint_wrapper,
+                check_fn=lambda m: isinstance(m, _Block))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in old.named_parameters())
+    with torch.no_grad():
+        for p in old.parameters():
+            p.add_(0.5)
+    saved = io.BytesIO()
+    torch.save(old.state_dict(), saved)
+    saved.seek(0)
+    model = _model()
+    pytree_ckpt.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, _Block),
+                                               offload=False)
+    model.load_state_dict(torch.load(saved))
+    eager.load_state_dict(old.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in eager.named_modules()]
+    assert list(model.state_dict()) == list(eager.state_dict())
+    for a, b in zip(_steps(eager, eager, steps=2), _steps(model, model, steps=2)):
+        assert_same_grads([a[0], *a[1], *a[2]], [b[0], *b[1], *b[2]])
+
+
+def test_checkpoint_of_a_model_holding_a_reentrant_torch_wrapper_is_refused_or_gives_eager(
+        ) -> None:
+    # apply_activation_checkpointing refuses a layer holding such a wrapper at once (helper
+    # FR); the functional form pytree_ckpt.checkpoint(model, x), the docs' first row, looks at
+    # no wrapper: with an input that requires no grad, backward completes and the wrapped
+    # layers get no gradient where eager gives them (with one that requires grad, refused
+    # in backward).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    eager = _model()
+    model = copy.deepcopy(eager)
+    model[0] = checkpoint_wrapper(model[0], checkpoint_impl=CheckpointImpl.REENTRANT)
+    x = torch.randn(6, 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for m, run in ((eager, eager), (model, lambda h: pytree_ckpt.checkpoint(model, h))):
+                torch.manual_seed(3)
+                run(x).square().sum().backward()
+    except pytree_ckpt.CheckpointError as refused:
+        assert "REENTRANT" in str(refused) or "use_reentrant=True" in str(refused)
+        return
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_checkpoint_of_a_model_holding_a_non_reentrant_torch_wrapper_gives_torchs_steps(
+        ) -> None:
+    # pytree_ckpt.checkpoint(model, x), or apply_activation_checkpointing(model), over a model
+    # one of whose layers torch's checkpoint_wrapper (NO_REENTRANT) still holds, with dropout
+    # and BatchNorm: the torch-wrapped model's steps (loss, gradients, buffers). Not eager's:
+    # torch's recompute updates BatchNorm's running statistics a second time, with or
+    # without pytree_ckpt around it (the warning tells to take the layer out).
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    old = _model()
+    old[0] = checkpoint_wrapper(old[0])
+    model, applied = copy.deepcopy(old), copy.deepcopy(old)
+    with pytest.warns(UserWarning, match="checkpointed twice"):
+        pytree_ckpt.apply_activation_checkpointing(applied, offload=False)
+    expected = _steps(old, old)
+    with pytest.warns(UserWarning, match="checkpointed twice"):  # at the first call only
+        functional = _steps(model, lambda h: pytree_ckpt.checkpoint(model, h))
+    for got in (functional, _steps(applied, applied)):
+        for a, b in zip(expected, got):
+            assert_same_grads([a[0], *a[1], *a[2]], [b[0], *b[1], *b[2]])

@@ -1672,3 +1672,74 @@ def test_checkpointed_layers_called_from_a_checkpointed_function_are_logged_once
     for _ in range(2):
         eager(x).sum().backward()
     assert_same_grads([p.grad for p in eager.parameters()], [p.grad for p in model.parameters()])
+
+
+def _fsdp_style_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    return recurse or isinstance(module, Layer)
+
+
+@pytest.mark.parametrize("policy", ["ModuleWrapPolicy", "function", "lambda_auto_wrap_policy"])
+def test_a_wrap_policy_callable_given_as_check_fn_is_refused_naming_the_isinstance_test(
+        policy: str) -> None:
+    # torchtune's set_activation_checkpointing(model, auto_wrap_policy) takes a set of classes
+    # or an FSDP policy (ModuleWrapPolicy, a (module, recurse, nonwrapped_numel) function);
+    # the docs map it to apply_activation_checkpointing(model, check_fn=...) and refuse the set
+    # and the class naming the isinstance test. The callable forms, moved over as they are,
+    # fail deep inside with a bare TypeError.
+    import functools
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
+
+    value: Any = (ModuleWrapPolicy({Layer}) if policy == "ModuleWrapPolicy"
+                  else _fsdp_style_policy if policy == "function"
+                  else functools.partial(lambda_auto_wrap_policy,
+                                         lambda_fn=lambda m: isinstance(m, Layer)))
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError, match="isinstance"):
+        apply_activation_checkpointing(model, check_fn=value)
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_torchs_positional_apply_activation_checkpointing_call_is_refused_naming_check_fn(
+        ) -> None:
+    # torch.distributed's signature is apply_activation_checkpointing(model,
+    # checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda _: True, auto_wrap_policy=None):
+    # its arguments may be given by position.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = Stack(2)
+    with pytest.raises(CheckpointConfigError, match="check_fn="):
+        apply_activation_checkpointing(model, checkpoint_wrapper,  # type: ignore[misc]
+                                       lambda m: isinstance(m, Layer))
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_torchs_migration_keywords_give_eager_gradients_once_moved_as_the_docs_say() -> None:
+    # The docs' rows, for a stack wrapped by torch.distributed's apply_activation_checkpointing
+    # before: check_fn=isinstance, checkpointed(fn, preserve_rng_state=True), checkpoint_layers
+    # over model.layers: each gives eager's gradients and names.
+    eager = Stack(3)
+    for how in ("check_fn", "checkpoint_layers"):
+        model = copy.deepcopy(eager)
+        if how == "check_fn":
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Layer),
+                                           preserve_rng_state=True)
+        else:
+            checkpoint_layers(model.layers)
+        assert all(is_checkpointed(layer) for layer in model.layers)
+        assert names(model) == names(eager)
+        eager.zero_grad(set_to_none=True)
+        x = torch.randn(2, 8, requires_grad=True)
+        assert_same_grads(*grads_per_model([eager, model], x, seed=0))
+
+
+def test_torchs_checkpoint_wrapper_checkpoint_fn_keyword_is_refused_naming_the_fix() -> None:
+    # torch.distributed's checkpoint_wrapper(module, checkpoint_impl=..., checkpoint_fn=None,
+    # **checkpoint_fn_kwargs): the docs map it to apply_activation_checkpointing(layer), whose
+    # checkpoint_impl= is a CheckpointConfigError with a tip; checkpoint_fn= is not.
+    from torch.utils.checkpoint import checkpoint
+
+    layer = Layer()
+    with pytest.raises(CheckpointConfigError, match="checkpoint_fn"):
+        apply_activation_checkpointing(layer, checkpoint_fn=checkpoint)  # type: ignore[call-arg]
+    assert not is_checkpointed(layer)

@@ -2047,3 +2047,78 @@ def test_a_residual_added_to_an_output_sharing_a_kept_product_follows_rule_4(how
         grads.append(grads_of([x, *model.parameters()]))
         x.grad = None
     assert_same_grads(*grads)
+
+
+@pytest.mark.parametrize("given", ["op", "name", "context_fn"])
+def test_torchs_selective_op_list_given_as_save_is_refused_naming_kept_ops(given: str) -> None:
+    # docs/boundary.md: torch's context_fn= (selective checkpointing) is RecomputeConfig(
+    # save=[...]). Moved over as it reads, the op list (or the context_fn itself) lands in
+    # save; the refusal's tip speaks of SaveUnit names and Megatron's recompute_modules, or says
+    # "wrap a single unit in a list: save=['attn']", never KeptOps or the target map.
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    ops = [torch.ops.aten.mm.default]
+    save: Any = (ops if given == "op" else ["aten::mm"] if given == "name"
+                 else functools.partial(create_selective_checkpoint_contexts, ops))
+    with pytest.raises(CheckpointConfigError, match="KeptOps"):
+        RecomputeConfig(1.0, save=save)
+
+
+def test_kept_ops_recompute_in_backward_what_torchs_selective_checkpoint_recomputes() -> None:
+    # torchtitan's op SAC (create_selective_checkpoint_contexts over an op list, or a policy
+    # function saving those ops) moved to KeptOps as docs/boundary.md says: backward runs the
+    # ops torch's SAC runs (no mm recomputed, tanh recomputed), with eager's gradients.
+    import functools
+
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            self.seen[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.down(torch.tanh(self.up(h)))
+
+    torch.manual_seed(0)
+    eager = nn.ModuleList(Mlp() for _ in range(2))
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_recompute_config(
+        ours, RecomputeConfig(1.0, save=["attn"]),
+        {SaveUnit.ATTN: KeptOps("aten::mm.default")}, offload=False)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def backward(layers: nn.ModuleList, call: Any) -> tuple[Any, list[torch.Tensor]]:
+        h = x
+        for layer in layers:
+            h = call(layer, h)
+        with Count() as count:
+            got = torch.autograd.grad(h.sum(), [x, *layers.parameters()])
+        return count.seen, list(got)
+
+    seen_eager, expected = backward(eager, lambda layer, h: layer(h))
+    for context in ([torch.ops.aten.mm.default], policy):
+        seen_torch, _ = backward(eager, lambda layer, h: checkpoint(
+            layer, h, use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, context)))
+        assert seen_torch["mm"] == seen_eager["mm"] and seen_torch["tanh"] == 2
+    seen_ours, got = backward(ours, lambda layer, h: layer(h))
+    assert seen_ours["mm"] == seen_eager["mm"] and seen_ours["tanh"] == 2
+    assert_same_grads(expected, got)
