@@ -39,7 +39,7 @@ from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.eager import runs_eagerly
 from pytree_ckpt.errors import CheckpointConfigError, require_callable, validate_bool
 from pytree_ckpt.phase import ACTIVE, REBUILDING
-from pytree_ckpt.recording import tracer_records
+from pytree_ckpt.recording import proxy_tracing, tracer_records
 from pytree_ckpt.saved import Unchanged, note_hooks_disabled
 from pytree_ckpt.subclass import rebuilt_parts
 from pytree_ckpt.tree import describe_leaf
@@ -380,8 +380,9 @@ class OffloadManager:
 
         ``changed_tip``: the tip for a window tensor changed in place after its save (the
         boundary gives its own: it keeps every input for the replay)."""
-        if tracer_records():
-            # NOTE [a tracer records the plain forward] (pytree_ckpt/recording.py): the program
+        if tracer_records() or proxy_tracing():
+            # NOTE [a tracer records the plain forward] and NOTE [make_fx records storages
+            # nowhere] (pytree_ckpt/recording.py): the program
             # holds the block's ops, not the window's hooks (helper LI: fx's proxies refused as
             # "not tensors"; a non-strict export and jit.trace opened real windows over fake or
             # traced tensors). Before the refusals, which a Proxy would fail.

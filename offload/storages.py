@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pytree_ckpt.addresses import data_pointer
 from pytree_ckpt.census_records import storage_key
 from pytree_ckpt.errors import CheckpointConfigError
 from pytree_ckpt.subclass import rebuilt_parts
@@ -117,7 +118,11 @@ def _resident_keys(resident: Sequence[torch.Tensor], pointers: set[int], /) -> l
     for tensor in resident:
         for part in ((tensor,) if type(tensor) is nn.Parameter else rebuilt_parts(tensor)):
             try:
-                pointer = part.untyped_storage().data_ptr()
+                storage = part.untyped_storage()
+                # As storage_key reads it: a storage with no memory of its own (meta, fake)
+                # by the storage object (helper QK: every pointer 0 matched every window
+                # storage, so under FakeTensorMode nothing was offloaded).
+                pointer = data_pointer(part, storage) or storage._cdata
             except (RuntimeError, NotImplementedError):  # no plain storage: no window key
                 continue
             if pointer in pointers and (key := plain_storage_key(part)) is not None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from pytree_ckpt.addresses import data_pointer
 from pytree_ckpt.census import Mechanism, census_active, report_held
 from pytree_ckpt.discard import DISCARDED_MARK
 from pytree_ckpt.errors import CheckpointConfigError, CheckpointError
@@ -66,7 +67,7 @@ class Copy:
         self.device = tensor.device
         self.version = tensor._version
         self.storage_ref = StorageWeakRef(storage)
-        self.data_ptr = storage.data_ptr()
+        self.data_ptr = data_pointer(tensor, storage)  # NOTE [a fake tensor's address]
         self.restored: torch.Tensor | None = None
         self.restored_holder: RestoredHolder | None = None  # for the census, while restored
         self.reused = False  # restored is the device storage itself (NOTE [reuse at the turn])
@@ -224,7 +225,8 @@ class Copy:
 
     def _storage_intact(self, device_bytes: torch.Tensor) -> bool:
         storage = device_bytes.untyped_storage()
-        return storage.nbytes() == self.nbytes and storage.data_ptr() == self.data_ptr
+        return storage.nbytes() == self.nbytes and \
+            data_pointer(device_bytes, storage) == self.data_ptr
 
     # NOTE [the host buffer goes back whatever is raised here]: Python prints and drops what a
     # destructor raises (a KeyboardInterrupt landing in it), and skips the rest: the host

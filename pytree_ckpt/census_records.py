@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .addresses import data_pointer
+
 __all__ = ["Holder", "Mechanism", "storage_key"]
 
 
@@ -101,8 +103,11 @@ class _Entry:
 
 
 def storage_key(tensor: torch.Tensor, /) -> tuple[str, int]:
-    """``(device, storage data_ptr)``: which storage a tensor lives on, while it is alive."""
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+    """``(device, storage data_ptr)``: which storage a tensor lives on, while it is alive; by
+    the storage object itself where it has no memory of its own (the meta device's, a fake
+    tensor's: every pointer is 0, NOTE [a fake tensor's address])."""
+    storage = tensor.untyped_storage()
+    return str(tensor.device), data_pointer(tensor, storage) or storage._cdata
 
 
 def _record_key(tensor: torch.Tensor, /) -> tuple[Any, ...]:
@@ -111,7 +116,7 @@ def _record_key(tensor: torch.Tensor, /) -> tuple[Any, ...]:
     filed by the storage object itself (NOTE [one address, one storage] in census.py keeps that
     apart from a later one at its place)."""
     storage = tensor.untyped_storage()
-    pointer = storage.data_ptr()
+    pointer = data_pointer(tensor, storage)
     if pointer == 0:
         return str(tensor.device), "storage", storage._cdata
     return str(tensor.device), pointer

@@ -83,7 +83,7 @@ from .module_state import (ModuleDicts, any_expanded, collect_parameters, module
 from .phase import outside_inference_mode, rebuilding
 from .replay_values import OutputPrints, check_rebuilt
 from .rebound import Bound, modules_bound_now, refuse_rebound
-from .recording import tracer_records
+from .recording import proxy_tracing, tracer_records
 from .refusals import refuse_container, refuse_double_backward
 from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
@@ -310,8 +310,9 @@ class CheckpointWithoutOutput:
             self.params = []
         needs_grad = bool(self.params) or any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        # NOTE [a tracer records the plain forward], NOTE [make_fx records storages nowhere]
         transformed = _functorch_transforms_active() or _forward_ad._current_level >= 0 \
-            or tracer_records()  # NOTE [a tracer records the plain forward] (recording.py)
+            or tracer_records() or proxy_tracing()  # (recording.py)
         # NOTE [a discard inside torch's non-reentrant checkpoint]: torch's checkpoint
         # (transformers' gradient checkpointing, torchtune, torchtitan) runs the body with
         # grad on under its own saved-tensor hooks, which keep nothing, and runs it again in

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .addresses import data_pointer
 from .module_state import module_buffers, owning_module, trainable_parameters
 from .tree import dunder
 
@@ -94,7 +95,8 @@ def root_key(tensor: torch.Tensor) -> tuple[int, int] | None:
         # live in inner tensors (NOTE [a wrapper subclass's bytes are its inner tensors']).
         # One with bytes but no address (the meta device's: every one is at 0) by the storage
         # itself, or every meta output aliased the input and nothing was freed (helper PJ).
-        return tensor.get_device(), storage.data_ptr() or storage._cdata
+        # NOTE [a fake tensor's address]
+        return tensor.get_device(), data_pointer(tensor, storage) or storage._cdata
     except RuntimeError:
         return None
 

@@ -47,6 +47,7 @@ from torch import nn
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .addresses import data_pointer
 from .census import Mechanism, census_active, report_held
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError, CheckpointError, ReuseError
@@ -424,7 +425,7 @@ def _storage_id(tensor: torch.Tensor) -> int | None:
         # A storage without an address (the meta device's, a memory estimate: every one is
         # at 0) by the storage itself, or a write to any meta tensor took back every kept
         # result (helper PJ; as census_records' _record_key files them).
-        return storage.data_ptr() or storage._cdata
+        return data_pointer(tensor, storage) or storage._cdata  # NOTE [a fake tensor's address]
     except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor), a sparse tensor
         return None
 

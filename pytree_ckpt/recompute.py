@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .addresses import data_pointer
 from .engine import input_grads
 from .errors import CheckpointError, ReuseError, SavedTensorChanged
 from .forward_hooks import handles_made
@@ -183,7 +184,7 @@ def _memory(tensor: torch.Tensor, /) -> int:
     """Where ``tensor``'s storage begins; 0 for one without a plain storage (sparse, nested,
     a wrapper subclass's)."""
     try:
-        return tensor.untyped_storage().data_ptr()
+        return data_pointer(tensor)  # NOTE [a fake tensor's address]
     except (RuntimeError, NotImplementedError):
         return 0
 

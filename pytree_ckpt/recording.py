@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["symbolic_tracing", "tracer_records"]
+__all__ = ["proxy_tracing", "symbolic_tracing", "tracer_records"]
 
 _is_tracing: Any = torch._C._is_tracing  # torch.jit.trace records (torch.jit.is_tracing's test)
 _compiler = torch.compiler  # _is_exporting_flag: torch.compiler.is_exporting()'s, read as is
@@ -31,6 +31,17 @@ _PROXY: Any = torch._C._TorchDispatchModeKey.PROXY
 def symbolic_tracing() -> bool:
     """torch.fx.symbolic_trace (or another fx ``Tracer``) records, not make_fx."""
     return getattr(_fx_trace, "_is_fx_tracing_flag", False) and _get_mode(_PROXY) is None
+
+
+def proxy_tracing() -> bool:
+    """NOTE [make_fx records storages nowhere]: make_fx (proxy tensors) traces a training step
+    through the boundary, its autograd Function and its replay alike, op by op; but it cannot
+    record an op taking a storage (fx's "argument of type: UntypedStorage"): offload's copy to
+    host (``empty(0).set_(storage)``) and an output discard's rebuild into its freed storage
+    raised at the first save or backward (helper QK). Under it offload windows copy nothing and
+    output discard is a plain call: the program holds eager's ops, and its memory plan is the
+    compiler's."""
+    return _get_mode(_PROXY) is not None
 
 
 def tracer_records() -> bool:

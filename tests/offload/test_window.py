@@ -3,6 +3,7 @@ bytes backward gets back when the saved storage changed after forward."""
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from typing import Any
 
@@ -1409,3 +1410,25 @@ def test_reuse_records_and_copies_are_gone_after_each_step_of_a_checkpointed_sta
         stats = manager.stats()
         assert stats["reused_bytes"] == step * x.untyped_storage().nbytes()
         assert stats["alive_elsewhere_bytes"] == step * x.untyped_storage().nbytes()
+
+
+def test_make_fx_of_a_training_step_with_offload_traces_eagers_gradients() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    ours = pytree_ckpt.apply_activation_checkpointing(
+        copy.deepcopy(eager), offload=manager())
+
+    def step_of(model: nn.Module) -> Any:
+        def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            loss = model(x * 1.0).sum()
+            return (loss, *torch.autograd.grad(loss, [x, *model.parameters()]))
+        return step
+
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = make_fx(step_of(eager))(x)(x)  # the traced program, run on x
+    got = make_fx(step_of(ours))(x)(x)
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)

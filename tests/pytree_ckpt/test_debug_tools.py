@@ -214,9 +214,6 @@ def test_a_fake_tensor_memory_estimate_with_mem_tracker_gives_torchs_reentrant_p
         < peak("eager", True)
 
 
-@pytest.mark.xfail(strict=True, reason="helper QK: under FakeTensorMode the boundary reads "
-                   "fake storages' data_ptr, and torch warns 'almost definitely a bug in your "
-                   "code'; eager and torch's checkpoint do not")
 def test_a_fake_tensor_step_through_a_checkpointed_layer_warns_as_eager_does() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

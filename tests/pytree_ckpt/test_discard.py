@@ -2678,3 +2678,33 @@ def test_a_pickled_rebuilt_discard_module_is_refused_or_eager_as_a_fresh_one(how
         assert "took a gradient inside its forward" in str(refused)
         return
     assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_make_fx_of_a_training_step_with_an_output_discard_traces_eagers_gradients() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def step_of(discard: bool) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+        def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            if discard:
+                ckpt = CheckpointWithoutOutput()
+                out = proj(ckpt.checkpoint(norm, x))
+                ckpt.discard_output_and_register_recompute(out)
+            else:
+                out = proj(norm(x))
+            loss = (x + out).sum()
+            return (loss, *torch.autograd.grad(loss, [x, *norm.parameters(),
+                                                      *proj.parameters()]))
+        return step
+
+    x = torch.randn(4, 8, requires_grad=True)
+    assert make_fx(step_of(False))(x) is not None  # traces without the discard
+    # NOTE [make_fx records storages nowhere]: under make_fx the discard is a plain call, so
+    # the program holds eager's ops (its rebuild into a freed storage cannot be recorded).
+    expected = step_of(False)(x)
+    got = make_fx(step_of(True))(x)(x)  # the traced program, run on x
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
