@@ -2708,3 +2708,141 @@ def test_make_fx_of_a_training_step_with_an_output_discard_traces_eagers_gradien
     assert len(expected) == len(got)
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+# Helper QM (mutation coverage of NOTE [a gradient inside the forward reaching the graph before
+# the call]): a plain function, no module, is watched at each call of its output discard.
+_INNER_W = torch.tensor([0.7, -0.4], requires_grad=True)
+
+
+def _inner_grad_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        u = (torch.tanh(x * y) * _INNER_W[0]).sum() + _INNER_W[1] * x.sum()
+        return torch.autograd.grad(u, x, create_graph=True)[0]
+
+
+def _plain_inner_grad_step(discard: bool) -> list[torch.Tensor]:
+    _INNER_W.grad = None
+    torch.manual_seed(1)
+    s = torch.randn(5, 1, requires_grad=True)
+    h = s * 1.5
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        out = ckpt.checkpoint(_inner_grad_fn, h, 2 * h)
+        z = (out * 3).pow(2)
+        ckpt.discard_output_and_register_recompute(z)
+    else:
+        z = (_inner_grad_fn(h, 2 * h) * 3).pow(2)
+    loss = z.sum()
+    loss.backward()
+    assert s.grad is not None and _INNER_W.grad is not None
+    return [loss.detach(), s.grad.clone(), _INNER_W.grad.clone()]
+
+
+def test_a_discarded_plain_function_taking_a_gradient_past_an_input_is_refused_at_each_step(
+        ) -> None:
+    # Guards against: discard_function.py leaving a plain function's calls unwatched (the
+    # rebuild ran on the inputs detached and gave other gradients, silently).
+    eager = _plain_inner_grad_step(discard=False)
+    for _ in range(2):
+        try:
+            ours = _plain_inner_grad_step(discard=True)
+        except CheckpointError as refused:
+            assert "took a gradient inside its forward" in str(refused)
+            assert "its input args[1]" in str(refused)
+            continue
+        assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+class _InnerGradWith(nn.Module):
+    """_InnerGradOp's elementwise case, scaled by another module's weight when given one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.7, -0.4]))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, other: nn.Module | None = None
+                ) -> torch.Tensor:
+        with torch.enable_grad():
+            u = (torch.tanh(x * y) * self.w[0]).sum() + self.w[1] * x.sum()
+            if other is not None:
+                u = u * other.w[0]
+            return torch.autograd.grad(u, x, create_graph=True)[0]
+
+
+def test_a_rebuilt_discard_module_called_with_a_fresh_module_is_watched_again() -> None:
+    # Guards against: discard_rebuilt asking whether *any* of the call's modules was rebuilt
+    # (the op's own was, the fresh one passed beside it never was): the call went unwatched
+    # and the rebuild on detached inputs gave other gradients, silently.
+    torch.manual_seed(0)
+    op, fresh = _InnerGradWith(), _InnerGradWith()
+    ckpt = CheckpointWithoutOutput()
+    h = torch.randn(5, 1, requires_grad=True) * 1.5
+    out = ckpt.checkpoint(op, h, torch.randn(5, 1))  # unrelated inputs: rebuilt, op marked
+    z = out.pow(2)
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+
+    def step(discard: bool) -> list[torch.Tensor]:
+        zero_grads([*op.parameters(), *fresh.parameters()])
+        torch.manual_seed(1)
+        s = torch.randn(5, 1, requires_grad=True)
+        h = s * 1.5
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(op, h, 2 * h, fresh)
+            z = (out * 3).pow(2)
+            ckpt.discard_output_and_register_recompute(z)
+        else:
+            z = (op(h, 2 * h, fresh) * 3).pow(2)
+        loss = z.sum()
+        loss.backward()
+        assert s.grad is not None and op.w.grad is not None and fresh.w.grad is not None
+        return [loss.detach(), s.grad.clone(), op.w.grad.clone(), fresh.w.grad.clone()]
+
+    eager = step(discard=False)
+    try:
+        ours = step(discard=True)
+    except CheckpointError as refused:
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_a_rebuilt_discard_module_given_a_submodule_since_is_watched_again() -> None:
+    # Guards against: discard_rebuilt ignoring the mark's structure generation (a module
+    # grown since its rebuild kept its mark): the call went unwatched and the rebuild on
+    # detached inputs gave other gradients, silently.
+    torch.manual_seed(0)
+    op = _InnerGradWith()
+    ckpt = CheckpointWithoutOutput()
+    out = ckpt.checkpoint(op, torch.randn(5, 1, requires_grad=True) * 1.5, torch.randn(5, 1))
+    z = out.pow(2)
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()  # rebuilt: op marked
+    op.extra = nn.Linear(2, 2)  # a grown model: a new structure generation
+
+    def step(discard: bool) -> list[torch.Tensor]:
+        zero_grads(op.parameters())
+        torch.manual_seed(1)
+        s = torch.randn(5, 1, requires_grad=True)
+        h = s * 1.5
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = ckpt.checkpoint(op, h, 2 * h)
+            z = (out * 3).pow(2)
+            ckpt.discard_output_and_register_recompute(z)
+        else:
+            z = (op(h, 2 * h) * 3).pow(2)
+        loss = z.sum()
+        loss.backward()
+        assert s.grad is not None and op.w.grad is not None
+        return [loss.detach(), s.grad.clone(), op.w.grad.clone()]
+
+    eager = step(discard=False)
+    try:
+        ours = step(discard=True)
+    except CheckpointError as refused:
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))

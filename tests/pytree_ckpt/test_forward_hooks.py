@@ -2047,3 +2047,156 @@ def test_an_output_discards_rebuild_raising_keyboard_interrupt_leaves_eager_step
         for mod in (m, before, em, eb):
             mod.zero_grad()
     assert len(m.lin.weight._backward_hooks) == len(em.lin.weight._backward_hooks) == 1
+
+
+# -- helper QM: mutation coverage ------------------------------------------------------------
+
+class _CallsThenReplacesKwargsHook(nn.Module):
+    """Calls its submodule, then replaces the submodule's forward hook registered with a
+    module option (``with_kwargs=True``, ``always_call=True``) through the handle it kept: the
+    previous call's hook runs at the next call, before its removal."""
+
+    def __init__(self, pre: bool) -> None:
+        super().__init__()
+        self.sub = nn.Linear(4, 4)
+        self.pre = pre
+        self.handle: Any = None
+        self.seen: list[Any] = []
+
+    def _fwd(self, m: nn.Module, args: Any, kwargs: Any, out: torch.Tensor) -> None:
+        self.seen.append(sorted(kwargs))
+
+    def _pre(self, m: nn.Module, args: Any, kwargs: Any) -> None:
+        self.seen.append(sorted(kwargs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.sub(x).tanh()
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.sub.register_forward_pre_hook(self._pre, with_kwargs=True) \
+            if self.pre else self.sub.register_forward_hook(self._fwd, with_kwargs=True,
+                                                            always_call=True)
+        return y
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")
+@pytest.mark.parametrize("pre", [False, True])
+def test_a_kwargs_module_hook_the_replay_removed_is_put_back_with_its_options(pre: bool) -> None:
+    # At a boundary the replay's hook tables (hook_tables.py) keep the module's hooks and
+    # their options; the discard test below covers drop_repeated's own put-back.
+    _against_eager(lambda: _CallsThenReplacesKwargsHook(pre), _steps(3))
+
+
+class _OpThenLinear(nn.Module):
+    """``b(a(x))``, ``a``'s output discarded where ``discard`` is set (its eager twin's not)."""
+
+    def __init__(self, a: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, nn.Linear(4, 4)
+        self.discard = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.discard:
+            return self.b(self.a(x))
+        ctx = pytree_ckpt.CheckpointWithoutOutput()
+        y = ctx.checkpoint(self.a, x)
+        z = self.b(y)
+        ctx.discard_output_and_register_recompute(z)
+        return z
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_a_kwargs_module_hook_a_discards_rebuild_removed_is_put_back_with_its_options(
+        pre: bool) -> None:
+    # Guards against: drop_repeated putting a submodule's hook back without its with_kwargs
+    # option (an output discard's rebuild has no hook tables to do it: the next call ran
+    # it as hook(m, args, out)), or removing the rebuild's repeat and leaving its options.
+    def make() -> nn.Module:
+        return _OpThenLinear(_CallsThenReplacesKwargsHook(pre))
+
+    def run(m: nn.Module) -> list[Any]:
+        m.discard = m is not eager_model[0]
+        got = _steps(3)(m)
+        sub = m.a.sub
+        return [*got, *(len(getattr(sub, name)) for name in (
+            "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"))]
+
+    torch.manual_seed(0)
+    eager_model = [make()]
+    ours = copy.deepcopy(eager_model[0])
+    got, want = run(ours), run(eager_model[0])
+    assert len(got) == len(want)
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(want, got))
+
+
+class _HooksItsInputThenCallsInner(nn.Module):
+    """Registers a reversal hook on its input at every call, then hands the input to an inner
+    layer checkpointed on its own (whose boundary wraps the input's hooks in place: NOTE
+    [inputs without a gradient] in parameter_hooks.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            x.register_hook(lambda g: -0.5 * g)
+        return self.out(self.inner(x))
+
+
+def test_an_input_hook_an_inner_boundary_wraps_is_taken_for_the_replays_repeat() -> None:
+    # Guards against: _runs reading the library's wrapper (SkipsNoGradient), not the hook in
+    # it: the original pass's registration went unrecorded and the replay's repeat stayed,
+    # the reversal applied twice.
+    def nest(m: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(m.inner)
+        pytree_ckpt.apply_activation_checkpointing(m)
+
+    def run(m: nn.Module) -> list[Any]:
+        got: list[Any] = []
+        for step in range(2):
+            torch.manual_seed(step)
+            s = torch.randn(5, 4, requires_grad=True)
+            got += _grads(nn.Sequential(m), s * 2, s)
+            m.zero_grad()
+        return got
+    _against_eager(_HooksItsInputThenCallsInner, run, wrap=nest)
+
+
+def _scaling(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda g: g * k  # k in its closure
+
+
+def _scaling_by_keyword(k: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda g, *, k=k: g * k  # k a keyword-only default
+
+
+class _ClosureGuards(nn.Module):
+    """Two hooks of one code over other closure (or keyword-only default) values on one
+    weight, registered once behind a flag, the first only under grad mode (they commute:
+    eager's numbers either way)."""
+
+    def __init__(self, make: Callable[[float], Any] = _scaling) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.done = False
+        self.make = make
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.done:
+            if torch.is_grad_enabled():
+                self.lin.weight.register_hook(self.make(3.0))
+            self.lin.weight.register_hook(self.make(2.0))
+            self.done = True
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("make", [_scaling, _scaling_by_keyword])
+def test_guarded_and_unguarded_hooks_bound_by_closure_or_keyword_default_give_eager_gradients(
+        make: Callable[[float], Any]) -> None:
+    # Guards against: _runs leaving out a closure's values (or __kwdefaults__): the replay's
+    # guarded hook (x3) was taken for the repeat of the original pass's (x2) and removed,
+    # its x2 kept.
+    _against_eager(lambda: _ClosureGuards(make), _steps(2))

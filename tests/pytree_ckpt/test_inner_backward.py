@@ -230,3 +230,51 @@ def test_a_plain_functions_call_names_nothing_when_nothing_is_refused(
             h = pytree_ckpt.checkpoint(lambda t, layer=layer: layer(t), h)
         h.sum().backward()
     assert named == []
+
+
+# -- helper QM: mutation coverage ------------------------------------------------------------
+
+class _StepsOnItsWeightNormGain(nn.Linear):
+    """A test-time step inside the forward: the gradient of a loss for the gain of the old
+    torch.nn.utils.weight_norm, whose pre-hook sets ``weight`` before the call (so that
+    gradient flows past the attribute into the graph that computed it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            y = nn.functional.linear(x, self.weight, self.bias)
+            (g,) = autograd.grad(y.pow(2).sum(), self.weight_g, create_graph=True)
+        return y * g.sum()
+
+
+def test_a_gradient_past_an_attribute_set_before_the_call_is_refused_with_the_parametrizations_tip(
+        ) -> None:
+    # Guards against: refuse() telling an attribute's slot (the first one: slot == the number
+    # of inputs) for an input's, with the tip for related inputs instead of parametrizations'.
+    import warnings
+
+    from pytree_ckpt import CheckpointError
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's weight_norm deprecation
+        layer = torch.nn.utils.weight_norm(_StepsOnItsWeightNormGain(4, 4))
+    pytree_ckpt.checkpoint_layers([layer], offload=False)
+    with pytest.raises(CheckpointError, match="took a gradient inside its forward") as refused:
+        layer(torch.randn(3, 4, requires_grad=True))
+    assert "parametrizations' weight_norm" in str(refused.value)
+
+
+def test_a_gradient_past_two_inputs_is_refused_naming_both() -> None:
+    # Guards against: refuse() naming only the first of the inputs the gradient flowed past.
+    from pytree_ckpt import CheckpointError
+
+    w = torch.randn(3, requires_grad=True)
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            (g,) = autograd.grad((a * b).sum(), w, create_graph=True)  # through both inputs
+        return a * g
+
+    with pytest.raises(CheckpointError, match="took a gradient inside its forward") as refused:
+        pytree_ckpt.checkpoint(step, w * 2, w * 3)
+    assert "args[0]" in str(refused.value) and "args[1]" in str(refused.value)
