@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["data_pointer"]
+__all__ = ["data_pointer", "without_values"]
 
 # NOTE [a fake tensor's address]: under FakeTensorMode (a memory estimate, torch's MemTracker,
 # shape propagation) every tensor is a FakeTensor whose storage lives on the meta device: its
@@ -26,3 +26,16 @@ def data_pointer(tensor: torch.Tensor, /, storage: torch.UntypedStorage | None =
             storage.device.type == "meta":
         return 0
     return storage.data_ptr()
+
+
+def without_values(tensor: torch.Tensor, /) -> bool:
+    """Whether ``tensor`` has no values to read: a meta tensor, or a fake one (NOTE [a fake
+    tensor's address]: comparing its values raises torch's DataDependentOutputException)."""
+    if tensor.device.type == "meta":
+        return True
+    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
+        return False
+    try:
+        return tensor.untyped_storage().device.type == "meta"
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: its inner tensors hold it
+        return False

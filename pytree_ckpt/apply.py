@@ -155,7 +155,9 @@ def _wants_more_than_a_module(check_fn: Callable[..., object], /) -> bool:
     (``ModuleWrapPolicy``, a ``(module, recurse, nonwrapped_numel)`` function, a partial of
     ``lambda_auto_wrap_policy``), which torchtune's ``set_activation_checkpointing`` takes."""
     try:
-        parameters = inspect.signature(check_fn).parameters.values()
+        # Not followed through functools.wraps: a decorator adapting a policy to one module
+        # is a check_fn (helper QN).
+        parameters = inspect.signature(check_fn, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: called as it is
         return False
     return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)

@@ -115,7 +115,7 @@ from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .subclass import with_attributes_of
-from .torch_wrappers import at_first_call as torch_wrappers_at_first_call
+from .torch_wrappers import at_first_call as torch_wrappers_at_first_call, runs_whole_module
 from .tree import dunder, flatten_call
 from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
                             refuse_unreadable_inputs)
@@ -250,7 +250,8 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         frozen = list(before)
         if not ever_verified(owner):
             refuse_fsdp1_units(owner, fn)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)
-            torch_wrappers_at_first_call(owner)  # NOTE [a layer left in torch's wrapper]
+            if runs_whole_module(fn, owner):  # not a method running a part of it (helper QN)
+                torch_wrappers_at_first_call(owner)  # NOTE [a layer left in torch's wrapper]
         if not ever_verified(owner) and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong

@@ -54,6 +54,7 @@ from .errors import CheckpointConfigError, CheckpointError, ReuseError
 from .kept_calls import call_arguments, for_backward, kept_count_changed, replay_may_take
 from . import module_state  # read at call time: module_state imports this module's users
 from .phase import Invocation, Phase
+from .recording import proxy_tracing
 from .replay_values import arguments_print, check_arguments
 from .rng import GeneratorStates, generators_moved, rng_changed, rng_state
 from .tree import dunder
@@ -373,7 +374,11 @@ def _emptied(kept: Any, /) -> bool:
     raised "data is not allocated yet" where eager's retry works. An emptied record is taken
     back (rule 3's way: ``Frame.unkeep``, before its RNG jump): the replay runs the op again.
     Only a discard empties a storage with elements in it, so this is never true otherwise; a
-    discard frees strided outputs only (a sparse result has no storage to read: helper JS)."""
+    discard frees strided outputs only (a sparse result has no storage to read: helper JS).
+    Under make_fx no discard frees anything (NOTE [make_fx records storages nowhere]), and a
+    symbolic trace's element count cannot be read as a bool (helper QN)."""
+    if proxy_tracing():
+        return False
     for tensor in _tensors(kept):
         if tensor.layout is torch.strided and tensor.numel() and \
                 not tensor.untyped_storage().nbytes():

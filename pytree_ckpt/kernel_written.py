@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .addresses import without_values
 from .errors import CheckpointError
 from .module_state import structure_generation
 
@@ -92,6 +93,8 @@ def differs(tensors: Sequence[torch.Tensor | None], before: dict[int, tuple[Any,
         if saved is None:
             continue
         assert t is not None
+        if without_values(t):  # meta, fake: nothing to compare (see _same)
+            continue
         key, value = saved
         if key is None:  # the tensor alone
             if not _same(value, t):
@@ -206,9 +209,10 @@ def _same(value: torch.Tensor, t: torch.Tensor, /) -> bool:
     """Whether ``t`` holds what its clone ``value`` does, bit for bit where its bytes can be
     read: a NaN equals itself (torch.equal says it differs: the dict would be counted as
     changed at every call, a clone and a copy per call for nothing), -0.0 differs from 0.0. A
-    meta tensor has no values to compare (torch.equal raises on one); a subclass or a
+    meta or fake tensor has no values to compare (torch.equal raises on one: helper QN, a
+    FakeTensorMode step through a layer holding a buffer it does not change); a subclass or a
     quantized tensor is compared by its own torch.equal."""
-    if t.device.type == "meta":
+    if without_values(t):
         return True
     parts = sparse_parts(t)
     if parts is not None:  # torch.equal has no sparse kernel

@@ -4,15 +4,19 @@ module's first calls through ``checkpoint(model, x)`` (``boundary.py``)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
+from .tree import dunder
 
-__all__ = ["at_first_call", "refuse_reentrant_torch_wrappers", "warn_inside_torch_wrapper"]
+__all__ = ["at_first_call", "refuse_reentrant_torch_wrappers", "runs_whole_module",
+           "warn_inside_torch_wrapper"]
 
 # Set on a module once a wrapper it holds was told (or looked for where layers are wrapped).
 _TOLD = "_pytree_ckpt_torch_wrapper_told"
@@ -105,6 +109,24 @@ def warn_inside_torch_wrapper(model: nn.Module | None,
             "each step runs its forward once more than needed (gradients stay exact). Tip: "
             "take the layer out of torch's wrapper (module._checkpoint_wrapped_module, or drop "
             "the checkpoint_wrapper call) and keep pytree_ckpt's", stacklevel=user_stacklevel())
+
+
+# The names of a module's own entry points, bound: ``layer.forward``, ``layer.__call__``.
+_ENTRY_POINTS = frozenset({"forward", "__call__", "_wrapped_call_impl", "_call_impl"})
+
+
+def runs_whole_module(fn: Callable[..., Any], owner: nn.Module, /) -> bool:
+    """Whether ``fn`` is ``owner`` itself or its forward (bound, or bound by a partial, as
+    transformers' ``partial(forward, self, **kwargs)`` is), which runs what ``owner`` holds;
+    not another method of it (``model.encode`` runs a part: a torch wrapper around the
+    decoder is not in its call, helper QN)."""
+    while isinstance(fn, functools.partial):
+        if fn.args and fn.args[0] is owner and dunder(fn.func, "__name__") in _ENTRY_POINTS:
+            return True
+        fn = fn.func
+    # dunder: a callable object's __getattr__ may raise other than AttributeError
+    return fn is owner or dunder(fn, "__self__") is owner and \
+        dunder(fn, "__name__") in _ENTRY_POINTS
 
 
 def at_first_call(owner: nn.Module, /) -> None:

@@ -3,8 +3,11 @@ parameters and resident storages, each with the index of the first window tensor
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
 import pytree_ckpt
 from tests.offload.blocks import manager
@@ -56,3 +59,45 @@ def test_a_fake_tensor_memory_estimate_counts_the_offload_the_real_device_counts
             assert x.grad is not None and x.grad.shape == x.shape
     assert counted[False].get("offloaded to host")  # both layers' inputs, copied to host
     assert counted[True] == counted[False]
+
+
+# helper QN: c4202d1 keyed a storage without an address by the storage object (storage_key and
+# _resident_keys): real CPU tensors keep their keys; an empty storage (address 0) is no longer
+# every parameter's, nor every other empty one's.
+class _QnResident(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.w = weight
+        self.e = nn.Parameter(torch.randn(0, 8))  # an empty parameter: its storage at 0
+
+    def forward(self, x: torch.Tensor, empty: torch.Tensor, alias: torch.Tensor,
+                v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x @ self.w) * alias.sum() + torch.cat([empty, x]).sum() + self.e.sum()
+        return y * torch.sin(v1).sum() * torch.cos(v2).sum()
+
+
+class _QnParameter(nn.Parameter):
+    pass
+
+
+@pytest.mark.parametrize("kind", [nn.Parameter, _QnParameter])
+def test_a_window_with_empty_views_and_parameter_aliases_offloads_the_rest_with_eager_grads(
+        kind: type) -> None:
+    def run(ours: bool) -> tuple[list[torch.Tensor], dict[str, Any] | None]:
+        torch.manual_seed(0)
+        model = _QnResident(kind(torch.randn(8, 8)))
+        x = torch.randn(4, 8, requires_grad=True)
+        empty = torch.zeros(0, 8, requires_grad=True)
+        shared = torch.randn(16, requires_grad=True) * 1.0  # two views of one storage
+        args = (x, empty, model.w.detach(), shared[:8], shared[8:])
+        m = manager() if ours else None
+        out = pytree_ckpt.checkpointed(model, offload=m)(*args) if ours else model(*args)
+        out.sum().backward()
+        return [x.grad, empty.grad, model.w.grad, model.e.grad], \
+            (m.stats() if m is not None else None)
+
+    expected, _ = run(False)
+    got, stats = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    # x's and the shared storage's bytes, once each; never the parameter's alias
+    assert stats is not None and stats["offloaded_bytes"] == 4 * 8 * 4 + 16 * 4

@@ -264,3 +264,47 @@ def test_an_input_changed_in_place_after_the_call_under_allow_mutation_gives_eag
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         got = _step(ours, x)
     assert _same(expected, got)
+
+
+# helper QN: c4202d1's docs (census.md: "so is a step under FakeTensorMode, offload included";
+# offload.md: a fake step as a memory estimate) over a layer with buffers.
+def _qn_fake_step(model_of: Callable[[], nn.Module], wrap: bool) -> tuple[int, ...]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        torch.manual_seed(0)
+        layer = model_of()
+        if wrap:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(16, 8, requires_grad=True)
+        layer(x).sum().backward()
+        assert x.grad is not None
+        return tuple(x.grad.shape)
+
+
+def test_a_fake_tensor_step_through_a_layer_whose_batchnorm_trains_runs_as_eager() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.25))
+
+    assert _qn_fake_step(model, True) == _qn_fake_step(model, False)
+
+
+class _QnScaled(nn.Module):
+    """A buffer the forward reads and never changes (a rotary table, a mask, a scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("model", [
+    lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8).eval()), _QnScaled,
+], ids=["frozen batchnorm", "a buffer read"])
+def test_a_fake_tensor_step_through_a_layer_with_an_unchanged_buffer_runs_as_eager(
+        model: Callable[[], nn.Module]) -> None:
+    assert _qn_fake_step(model, False) == (16, 8)
+    assert _qn_fake_step(model, True) == (16, 8)

@@ -999,3 +999,100 @@ def test_checkpoint_of_a_model_holding_a_non_reentrant_torch_wrapper_gives_torch
     for got in (functional, _steps(applied, applied)):
         for a, b in zip(expected, got):
             assert_same_grads([a[0], *a[1], *a[2]], [b[0], *b[1], *b[2]])
+
+
+class _QnEncoderDecoder(nn.Module):
+    """A model whose encoder a method runs (checkpointed here by pytree_ckpt.checkpoint of the
+    bound method) and whose decoder torch's checkpoint_wrapper still holds: the wrapper is
+    never inside the boundary."""
+
+    def __init__(self, impl: Any, ours: bool) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.dec = checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+                                      checkpoint_impl=impl)
+        self.ours = ours
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = pytree_ckpt.checkpoint(self.encode, x) if self.ours else self.encode(x)
+        return self.dec(h)
+
+
+def _qn_encoder_decoder_grads(impl: Any, ours: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = _QnEncoderDecoder(impl, ours)
+    x = torch.randn(2, 4, requires_grad=True)
+    model(x).sum().backward()
+    return [x.grad, *(p.grad for p in model.parameters())]
+
+
+def test_checkpoint_of_a_method_beside_a_reentrant_torch_wrapper_gives_eager_gradients(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    expected = _qn_encoder_decoder_grads(CheckpointImpl.REENTRANT, False)
+    got = _qn_encoder_decoder_grads(CheckpointImpl.REENTRANT, True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_checkpoint_of_a_method_beside_a_non_reentrant_torch_wrapper_warns_nothing() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    expected = _qn_encoder_decoder_grads(CheckpointImpl.NO_REENTRANT, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _qn_encoder_decoder_grads(CheckpointImpl.NO_REENTRANT, True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))  # holds today
+    assert not [w for w in caught if "checkpointed twice" in str(w.message)]
+
+
+def test_checkpoint_of_a_layer_beside_a_torch_wrapped_layer_warns_nothing_and_gives_eager(
+        ) -> None:
+    # The torch wrapper around another layer of the model, never inside the boundary.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    def grads(ours: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        layers[0] = checkpoint_wrapper(layers[0], checkpoint_impl=CheckpointImpl.REENTRANT)
+        x = torch.randn(2, 4, requires_grad=True)
+        h = torch.tanh(layers[0](x))
+        for _ in range(2):  # a second call: the layer verified
+            out = (pytree_ckpt.checkpoint(layers[1], h) if ours else layers[1](h)).sum()
+            out.backward(retain_graph=True)
+        return [x.grad, *(p.grad for p in layers.parameters())]
+
+    expected = grads(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_checkpoint_of_a_model_that_dropped_its_reentrant_torch_wrapper_gives_eager(
+        ) -> None:
+    # Refused at the first call while it holds one; taken out, the next call is a first call
+    # again and runs with eager's gradients, warning nothing.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    eager = copy.deepcopy(model)
+    inner = model[2]
+    model[2] = checkpoint_wrapper(inner, checkpoint_impl=CheckpointImpl.REENTRANT)
+    x = torch.randn(2, 4)
+    with pytest.raises(pytree_ckpt.CheckpointConfigError, match="REENTRANT"):
+        pytree_ckpt.checkpoint(model, x)
+    model[2] = inner
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pytree_ckpt.checkpoint(model, x).square().sum().backward()
+    eager(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))

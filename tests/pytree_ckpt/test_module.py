@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import gc
 import inspect
 import pickle
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1743,3 +1744,82 @@ def test_torchs_checkpoint_wrapper_checkpoint_fn_keyword_is_refused_naming_the_f
     with pytest.raises(CheckpointConfigError, match="checkpoint_fn"):
         apply_activation_checkpointing(layer, checkpoint_fn=checkpoint)  # type: ignore[call-arg]
     assert not is_checkpointed(layer)
+
+
+# helper QN: check_fn forms that are a function of one module (torch's apply_activation_
+# checkpointing takes each), beside the wrap policies d8a6ea6 refuses.
+class _QnBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _QnChooser:
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def __call__(self, m: nn.Module) -> bool:
+        return isinstance(m, self.cls)
+
+    def method(self, m: nn.Module) -> bool:
+        return isinstance(m, self.cls)
+
+
+def _qn_chosen_by(check_fn: Any) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(_QnBlock(), _QnBlock())
+    ours = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ours, check_fn=check_fn)
+    assert all(pytree_ckpt.is_checkpointed(layer) for layer in ours)
+    x = torch.randn(2, 4, requires_grad=True)
+    eager(x).sum().backward()
+    ours(x).sum().backward()
+    for p, q in zip(eager.parameters(), ours.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def _qn_pick(cls: type, m: nn.Module) -> bool:
+    return isinstance(m, cls)
+
+
+def _qn_keyword(m: nn.Module, *, cls: type) -> bool:
+    return isinstance(m, cls)
+
+
+def _qn_with_defaults(m: nn.Module, recurse: bool = True, nonwrapped_numel: int = 0) -> bool:
+    return isinstance(m, _QnBlock)
+
+
+@pytest.mark.parametrize("check_fn", [
+    _QnChooser(_QnBlock), _QnChooser(_QnBlock).method, functools.partial(_qn_pick, _QnBlock),
+    functools.partial(_qn_keyword, cls=_QnBlock), lambda m, c=_QnBlock: isinstance(m, c),
+    _qn_with_defaults, lambda *args: isinstance(args[0], _QnBlock),
+    functools.lru_cache(None)(lambda m: isinstance(m, _QnBlock)),
+    functools.partial(_QnChooser.method, _QnChooser(_QnBlock)),
+], ids=["callable object", "bound method", "partial binding the class first",
+        "partial by keyword", "lambda with a default", "policy-shaped with defaults",
+        "star args", "lru_cache", "partial of a method with self bound"])
+def test_a_check_fn_of_one_module_in_any_form_is_taken_and_gives_eager_gradients(
+        check_fn: Any) -> None:
+    _qn_chosen_by(check_fn)
+
+
+def _qn_adapts(f: Callable[[nn.Module, type], bool]) -> Callable[[nn.Module], bool]:
+    @functools.wraps(f)
+    def picked(m: nn.Module) -> bool:  # one argument: the wrapper binds the class
+        return f(m, _QnBlock)
+    return picked
+
+
+@_qn_adapts
+def _qn_adapted(m: nn.Module, cls: type) -> bool:
+    return isinstance(m, cls)
+
+
+def test_a_check_fn_adapted_by_a_functools_wraps_decorator_is_taken_as_torchs_is() -> None:
+    assert _qn_adapted(_QnBlock()) is True  # a function of one module, as torch calls it
+    _qn_chosen_by(_qn_adapted)

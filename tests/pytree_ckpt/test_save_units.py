@@ -2122,3 +2122,72 @@ def test_kept_ops_recompute_in_backward_what_torchs_selective_checkpoint_recompu
     seen_ours, got = backward(ours, lambda layer, h: layer(h))
     assert seen_ours["mm"] == seen_eager["mm"] and seen_ours["tanh"] == 2
     assert_same_grads(expected, got)
+
+
+# helper QN: make_fx (c4202d1's docs: "make_fx of a whole training step ... traces through the
+# boundary, replay included, with eager's numbers") in its three tracing modes, the step's
+# parameters given as inputs (fake and symbolic tracing need them so).
+class _QnBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+def _qn_traced_step(model: nn.Module, mode: str, x: torch.Tensor,
+                    params: list[torch.Tensor]) -> list[torch.Tensor]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+    names = [n for n, _ in model.named_parameters()]
+
+    def step(x: torch.Tensor, *ps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ps = tuple(p.detach().requires_grad_() for p in ps)
+        loss = torch.func.functional_call(model, dict(zip(names, ps)), (x * 1.0,)).sum()
+        return (loss, *torch.autograd.grad(loss, [x, *ps]))
+
+    return list(make_fx(step, tracing_mode=mode)(x, *params)(x, *params))
+
+
+def _qn_make_fx_matches(mode: str, build: Any) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(_QnBlock(), _QnBlock())
+    ours = copy.deepcopy(eager)
+    build(ours)
+    x = torch.randn(4, 8, requires_grad=True)
+    params = [p.detach() for p in eager.parameters()]
+    expected = _qn_traced_step(eager, mode, x, params)
+    got = _qn_traced_step(ours, mode, x, params)
+    assert len(expected) == len(got)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def _qn_kept(model: nn.Module) -> None:
+    apply_recompute_config(list(model), RecomputeConfig(1.0, save=["attn"]),
+                           {SaveUnit.ATTN: KeptOps("aten::tanh")})
+
+
+def _qn_nested_offloaded(model: nn.Module) -> None:
+    for layer in model:
+        pytree_ckpt.apply_activation_checkpointing(layer, offload=offload.OffloadManager(
+            offload.OffloadConfig(min_bytes=0), device="cpu"))
+    pytree_ckpt.apply_activation_checkpointing(model, offload=False)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+@pytest.mark.parametrize("build", [_qn_nested_offloaded], ids=["nested boundaries, offload"])
+def test_make_fx_of_a_step_through_nested_offloaded_boundaries_traces_eagers_numbers(
+        mode: str, build: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the nesting's own warning
+        _qn_make_fx_matches(mode, build)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_make_fx_of_a_step_through_save_units_traces_eagers_numbers(mode: str) -> None:
+    _qn_make_fx_matches(mode, _qn_kept)
+
+
+def test_symbolic_make_fx_of_a_step_through_save_units_traces_eagers_numbers() -> None:
+    _qn_make_fx_matches("symbolic", _qn_kept)
