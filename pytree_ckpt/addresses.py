@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake  # loaded with torch: no import cost
 
 __all__ = ["data_pointer", "without_values"]
 
@@ -35,7 +36,5 @@ def without_values(tensor: torch.Tensor, /) -> bool:
         return True
     if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
         return False
-    try:
-        return tensor.untyped_storage().device.type == "meta"
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass: its inner tensors hold it
-        return False
+    # A wrapper subclass (a DTensor, TwoTensor) over fake inner tensors too (helper QQ)
+    return bool(is_fake(tensor))

@@ -115,7 +115,7 @@ from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .subclass import with_attributes_of
-from .torch_wrappers import at_first_call as torch_wrappers_at_first_call, runs_whole_module
+from .torch_wrappers import at_first_call as torch_wrappers_at_first_call, other_method_of
 from .tree import dunder, flatten_call
 from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
                             refuse_unreadable_inputs)
@@ -211,6 +211,7 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                 skip_no_gradient(tensor)  # NOTE [inputs without a gradient] (parameter_hooks.py)
         slots.append(slot)
         leaves[index] = None
+    given_owner = owner is not None  # a checkpointed layer's own call (module.py)
     owner = owner if owner is not None else owning_module(fn)
     params: list[torch.Tensor] | None = None
     before: list[torch.Tensor] = []  # frozen parameters and buffers, as they are before fn
@@ -250,8 +251,10 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
         frozen = list(before)
         if not ever_verified(owner):
             refuse_fsdp1_units(owner, fn)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)
-            if runs_whole_module(fn, owner):  # not a method running a part of it (helper QN)
-                torch_wrappers_at_first_call(owner)  # NOTE [a layer left in torch's wrapper]
+            # NOTE [a layer left in torch's wrapper]: a layer's own call, or a call that does
+            # not run a part of the model only (model.encode)
+            if given_owner or not other_method_of(fn, owner):
+                torch_wrappers_at_first_call(owner)
         if not ever_verified(owner) and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong

@@ -15,7 +15,7 @@ from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .tree import dunder
 
-__all__ = ["at_first_call", "refuse_reentrant_torch_wrappers", "runs_whole_module",
+__all__ = ["at_first_call", "other_method_of", "refuse_reentrant_torch_wrappers",
            "warn_inside_torch_wrapper"]
 
 # Set on a module once a wrapper it holds was told (or looked for where layers are wrapped).
@@ -115,18 +115,26 @@ def warn_inside_torch_wrapper(model: nn.Module | None,
 _ENTRY_POINTS = frozenset({"forward", "__call__", "_wrapped_call_impl", "_call_impl"})
 
 
-def runs_whole_module(fn: Callable[..., Any], owner: nn.Module, /) -> bool:
-    """Whether ``fn`` is ``owner`` itself or its forward (bound, or bound by a partial, as
-    transformers' ``partial(forward, self, **kwargs)`` is), which runs what ``owner`` holds;
-    not another method of it (``model.encode`` runs a part: a torch wrapper around the
-    decoder is not in its call, helper QN)."""
-    while isinstance(fn, functools.partial):
-        if fn.args and fn.args[0] is owner and dunder(fn.func, "__name__") in _ENTRY_POINTS:
-            return True
-        fn = fn.func
+def other_method_of(fn: Callable[..., Any], owner: nn.Module, /) -> bool:
+    """Whether ``fn`` (through partials and ``functools.wraps``' ``__wrapped__``, as
+    ``owning_module`` finds ``owner``) is a method of ``owner`` other than its forward:
+    ``model.encode`` runs a part of the model, and a torch wrapper around the decoder is not
+    in its call (helper QN: refused, or warned, falsely). Anything else (the module, its
+    forward however wrapped or compiled, a forward set on the instance under another name)
+    runs what ``owner`` holds (helper QQ: a compiled or decorated forward was let through)."""
+    for _ in range(16):  # a wrapper of a wrapper ... (a cycle of __wrapped__ ends here)
+        if isinstance(fn, functools.partial):
+            if fn.args and fn.args[0] is owner:  # partial(type(model).encode, model)
+                return dunder(fn.func, "__name__") not in _ENTRY_POINTS
+            fn = fn.func
+            continue
+        wrapped = dunder(fn, "__wrapped__")
+        if wrapped is None:
+            break
+        fn = wrapped
     # dunder: a callable object's __getattr__ may raise other than AttributeError
-    return fn is owner or dunder(fn, "__self__") is owner and \
-        dunder(fn, "__name__") in _ENTRY_POINTS
+    return dunder(fn, "__self__") is owner and dunder(fn, "__name__") not in _ENTRY_POINTS \
+        and fn != owner.__dict__.get("forward")
 
 
 def at_first_call(owner: nn.Module, /) -> None:

@@ -1096,3 +1096,111 @@ def test_checkpoint_of_a_model_that_dropped_its_reentrant_torch_wrapper_gives_ea
         pytree_ckpt.checkpoint(model, x).square().sum().backward()
     eager(x).square().sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+# helper QQ: call forms that run the whole model, wrapped around its forward (owning_module
+# finds the model through __wrapped__ or __self__), which 3a11623's runs_whole_module does not
+# recognise: the first-call refusal of a held REENTRANT torch wrapper is skipped (refused at
+# 3a11623~1).
+def _qq_decorated_forward(model: nn.Module) -> Callable[..., Any]:
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+    return logged
+
+
+def _qq_forward_replaced_on_the_instance(model: nn.Module) -> Callable[..., Any]:
+    import types
+
+    def patched_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return type(self).forward(self, x)
+    model.forward = types.MethodType(patched_forward, model)  # type: ignore[method-assign]
+    return model.forward
+
+
+_QQ_WHOLE_MODEL_FORMS = {
+    "torch.compiler.disable(model.forward)": lambda m: torch.compiler.disable(m.forward),
+    "a functools.wraps decorator over model.forward": _qq_decorated_forward,
+    "a forward replaced on the instance": _qq_forward_replaced_on_the_instance,
+}
+
+
+@pytest.mark.parametrize("form", list(_QQ_WHOLE_MODEL_FORMS))
+def test_checkpoint_of_a_wrapped_whole_model_forward_holding_a_reentrant_torch_wrapper_is_refused_or_gives_eager(
+        form: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    eager = _model()
+    model = copy.deepcopy(eager)
+    model[0] = checkpoint_wrapper(model[0], checkpoint_impl=CheckpointImpl.REENTRANT)
+    fn = _QQ_WHOLE_MODEL_FORMS[form](model)
+    x = torch.randn(6, 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for run in (eager, lambda h: pytree_ckpt.checkpoint(fn, h)):
+                torch.manual_seed(3)
+                run(x).square().sum().backward()
+    except pytree_ckpt.CheckpointError as refused:
+        assert "REENTRANT" in str(refused) or "use_reentrant=True" in str(refused)
+        return
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("form", ["model.__call__ by a partial", "partial(type.forward, model)",
+                                  "checkpointed(model.forward)", "a __call__ over super's"])
+def test_checkpoint_of_a_whole_model_call_form_holding_a_reentrant_torch_wrapper_is_refused(
+        form: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    class _Layer(nn.Sequential):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:  # transformers' 5.x form
+            return pytree_ckpt.checkpoint(functools.partial(super().__call__, **kwargs), *args)
+
+    model = _Layer(*_model()) if form == "a __call__ over super's" else _model()
+    model[0] = checkpoint_wrapper(model[0], checkpoint_impl=CheckpointImpl.REENTRANT)
+    x = torch.randn(6, 8)
+    run = {"model.__call__ by a partial": lambda: pytree_ckpt.checkpoint(
+               functools.partial(model.__call__), x),
+           "partial(type.forward, model)": lambda: pytree_ckpt.checkpoint(
+               functools.partial(type(model).forward, model), x),
+           "checkpointed(model.forward)": lambda: pytree_ckpt.checkpointed(model.forward)(x),
+           "a __call__ over super's": lambda: model(x)}[form]
+    with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
+        run()
+
+
+def test_a_layer_with_an_instance_forward_given_a_reentrant_torch_wrapper_after_apply_is_refused_or_gives_eager(
+        ) -> None:
+    import types
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    eager = _model()
+    model = copy.deepcopy(eager)
+    layer = model[0]
+
+    def patched_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:  # accelerate-like
+        return type(self).forward(self, x)
+    layer.forward = types.MethodType(patched_forward, layer)  # type: ignore[method-assign]
+    pytree_ckpt.apply_activation_checkpointing(layer, offload=False)
+    name, child = next(iter(layer.named_children()))
+    setattr(layer, name, checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.REENTRANT))
+    x = torch.randn(6, 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for m in (eager, model):
+                torch.manual_seed(3)
+                m(x).square().sum().backward()
+    except pytree_ckpt.CheckpointError as refused:
+        assert "REENTRANT" in str(refused) or "use_reentrant=True" in str(refused)
+        return
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
