@@ -37,4 +37,7 @@ def without_values(tensor: torch.Tensor, /) -> bool:
     if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
         return False
     # A wrapper subclass (a DTensor, TwoTensor) over fake inner tensors too (helper QQ)
-    return bool(is_fake(tensor))
+    try:
+        return bool(is_fake(tensor))
+    except Exception:  # a subclass torch's walk fails on (an inner attribute unset: QR)
+        return False

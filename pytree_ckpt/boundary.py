@@ -115,7 +115,8 @@ from .recompute import dynamo_marks
 from .refusals import input_path_of
 from .shared_containers import shared_containers
 from .subclass import with_attributes_of
-from .torch_wrappers import at_first_call as torch_wrappers_at_first_call, other_method_of
+from .torch_wrappers import PENDING as TORCH_WRAPPERS_PENDING
+from .torch_wrappers import check_at_first_call as check_torch_wrappers
 from .tree import dunder, flatten_call
 from .tree_refusals import (refuse_metadata_tensors, refuse_strided_nested,
                             refuse_unreadable_inputs)
@@ -249,13 +250,13 @@ def run_boundary(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, 
                                type(owner).__name__)
             return fn(*args, **kwargs)
         frozen = list(before)
-        if not ever_verified(owner):
+        first = not ever_verified(owner)
+        if first:
             refuse_fsdp1_units(owner, fn)  # NOTE [FSDP1 around a boundary] (fsdp_units.py)
-            # NOTE [a layer left in torch's wrapper]: a layer's own call, or a call that does
-            # not run a part of the model only (model.encode)
-            if given_owner or not other_method_of(fn, owner):
-                torch_wrappers_at_first_call(owner)
-        if not ever_verified(owner) and any_lazy(trees):
+        if first or TORCH_WRAPPERS_PENDING in owner.__dict__:
+            # NOTE [a layer left in torch's wrapper]; pending while only parts of it ran
+            check_torch_wrappers(fn, owner, given_owner)
+        if first and any_lazy(trees):
             # A lazy module (nn.LazyLinear) gives its parameters (and buffers) their shape in
             # its first call: taken as inputs before it, they would get gradients of the wrong
             # shape. That call runs as eager does, without the boundary; the next ones are

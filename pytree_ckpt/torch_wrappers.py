@@ -5,6 +5,7 @@ module's first calls through ``checkpoint(model, x)`` (``boundary.py``)."""
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,11 +16,13 @@ from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .tree import dunder
 
-__all__ = ["at_first_call", "other_method_of", "refuse_reentrant_torch_wrappers",
-           "warn_inside_torch_wrapper"]
+__all__ = ["PENDING", "at_first_call", "check_at_first_call", "other_method_of",
+           "refuse_reentrant_torch_wrappers", "warn_inside_torch_wrapper"]
 
 # Set on a module once a wrapper it holds was told (or looked for where layers are wrapped).
 _TOLD = "_pytree_ckpt_torch_wrapper_told"
+# Set on a model while only calls of its other methods ran (check_at_first_call).
+PENDING = "_pytree_ckpt_torch_wrapper_pending"
 
 def _torch_wrapper(module: nn.Module, /) -> bool:
     # Known by its class's name and package: an isinstance test would import torch.distributed
@@ -122,7 +125,10 @@ def other_method_of(fn: Callable[..., Any], owner: nn.Module, /) -> bool:
     in its call (helper QN: refused, or warned, falsely). Anything else (the module, its
     forward however wrapped or compiled, a forward set on the instance under another name)
     runs what ``owner`` holds (helper QQ: a compiled or decorated forward was let through)."""
+    instance_forward = owner.__dict__.get("forward")
     for _ in range(16):  # a wrapper of a wrapper ... (a cycle of __wrapped__ ends here)
+        if instance_forward is not None and _same_callable(fn, instance_forward):
+            return False  # set on the instance, a partial too (helper QR)
         if isinstance(fn, functools.partial):
             if fn.args and fn.args[0] is owner:  # partial(type(model).encode, model)
                 return dunder(fn.func, "__name__") not in _ENTRY_POINTS
@@ -133,8 +139,29 @@ def other_method_of(fn: Callable[..., Any], owner: nn.Module, /) -> bool:
             break
         fn = wrapped
     # dunder: a callable object's __getattr__ may raise other than AttributeError
-    return dunder(fn, "__self__") is owner and dunder(fn, "__name__") not in _ENTRY_POINTS \
-        and fn != owner.__dict__.get("forward")
+    return dunder(fn, "__self__") is owner and dunder(fn, "__name__") not in _ENTRY_POINTS
+
+
+def _same_callable(a: object, b: object, /) -> bool:
+    """``a is b``, or two bindings of one function to one object (a bound method is made anew
+    at each attribute read); never a user's ``__eq__``."""
+    return a is b or isinstance(a, types.MethodType) and isinstance(b, types.MethodType) and \
+        a.__func__ is b.__func__ and a.__self__ is b.__self__
+
+
+def check_at_first_call(fn: Callable[..., Any], owner: nn.Module, whole: bool, /) -> None:
+    """NOTE [a layer left in torch's wrapper], for a boundary's call at ``owner``'s first
+    calls (``ever_verified`` false), or while ``owner`` has only run parts: a layer's own call
+    (``whole``), or a functional call that is not ``other_method_of`` the model, checks what
+    ``owner`` holds; a call of another method checks nothing and leaves the check pending, so
+    that a later call of the whole model, which the part's first calls made no first call,
+    still checks (helper QR: ``checkpoint(model.run_head, h)``, then ``checkpoint(model, x)``,
+    was let through)."""
+    if whole or not other_method_of(fn, owner):
+        owner.__dict__.pop(PENDING, None)
+        at_first_call(owner)
+    else:
+        owner.__dict__[PENDING] = True
 
 
 def at_first_call(owner: nn.Module, /) -> None:

@@ -1204,3 +1204,133 @@ def test_a_layer_with_an_instance_forward_given_a_reentrant_torch_wrapper_after_
         return
     assert all(b.grad is not None and torch.equal(a.grad, b.grad)
                for a, b in zip(eager.parameters(), model.parameters()))
+
+
+# helper QR: call forms that run a part of the model (841d3df's other_method_of): no false
+# refusal of a REENTRANT torch wrapper held by the part not run, no false "checkpointed twice".
+class _QREncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(8, 8)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.enc(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.encode(x))
+
+
+def _qr_decorated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return logged
+
+
+_QR_PART_FORMS: dict[str, Callable[[nn.Module], Callable[..., Any]]] = {
+    "partial(model.encode)": lambda m: functools.partial(m.encode),
+    "type(model).encode.__get__(model)": lambda m: type(m).encode.__get__(m),
+    "partial(partial(type(model).encode), model)": lambda m: functools.partial(
+        functools.partial(type(m).encode), m),
+    "a lambda calling model.encode": lambda m: lambda x: m.encode(x),
+    "torch.compiler.disable(model.encode)": lambda m: torch.compiler.disable(m.encode),
+    "decorated twice over partial(model.encode)": lambda m: _qr_decorated(
+        _qr_decorated(functools.partial(m.encode))),
+}
+
+
+@pytest.mark.parametrize("impl", ["REENTRANT", "NO_REENTRANT"])
+@pytest.mark.parametrize("form", list(_QR_PART_FORMS))
+def test_checkpoint_of_a_part_of_a_model_beside_a_wrapped_decoder_gives_eager_without_refusal_or_warning(
+        form: str, impl: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    torch.manual_seed(0)
+    eager = _QREncoderDecoder()
+    model = copy.deepcopy(eager)
+    model.dec = checkpoint_wrapper(model.dec, checkpoint_impl=CheckpointImpl[impl])
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = pytree_ckpt.checkpoint(_QR_PART_FORMS[form](model), x)
+    assert not [w for w in caught if "checkpointed twice" in str(w.message)]
+    expected = eager.encode(x)
+    assert torch.equal(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert torch.equal(eager.enc.weight.grad, model.enc.weight.grad)
+    assert torch.equal(eager.enc.bias.grad, model.enc.bias.grad)
+
+
+def test_checkpoint_of_a_whole_model_after_a_call_of_another_method_is_refused_or_gives_eager(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    class _M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 8)
+
+        def run_head(self, h: torch.Tensor) -> torch.Tensor:
+            return self.head(h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.first(x)))
+
+    torch.manual_seed(0)
+    eager = _M()
+    model = copy.deepcopy(eager)
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    h = torch.randn(4, 8, requires_grad=True)
+    pytree_ckpt.checkpoint(model.run_head, h).sum().backward()  # a part: rightly not refused
+    eager.run_head(h).sum().backward()
+    x = torch.randn(4, 8)  # needs no grad, as a frozen embedding's output
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pytree_ckpt.checkpoint(model, x).square().sum().backward()
+    except pytree_ckpt.CheckpointError as refused:
+        assert "REENTRANT" in str(refused)
+        return
+    eager(x).square().sum().backward()
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_checkpoint_of_an_instance_forward_set_as_a_partial_holding_a_reentrant_torch_wrapper_is_refused_or_gives_eager(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    class _M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 8)
+
+        def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.first(x)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.plain_forward(x)
+
+    torch.manual_seed(0)
+    eager = _M()
+    model = copy.deepcopy(eager)
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    model.forward = functools.partial(_M.plain_forward, model)  # type: ignore[method-assign]
+    x = torch.randn(4, 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pytree_ckpt.checkpoint(model.forward, x).square().sum().backward()
+    except pytree_ckpt.CheckpointError as refused:
+        assert "REENTRANT" in str(refused)
+        return
+    eager(x).square().sum().backward()
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
