@@ -56,7 +56,9 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
     coo = any(tensors[slot].layout == torch.sparse_coo for slot in moved)
     # A trainable input (an embedding table passed in and looked up with max_norm, which
     # renorms it in place): a clone drops the change eager makes to the caller's tensor
-    # (helper NV: a row kept its norm of 5.06 where eager's was 1.0).
+    # (helper NV: a row kept its norm of 5.06 where eager's was 1.0); so does one of any
+    # input whose change the caller reads (helper QP: a running statistic passed in and written
+    # by a custom op stayed 0): the clone is told for a change the caller does not need.
     trainable = any(tensors[slot].requires_grad and tensors[slot].is_leaf for slot in moved)
     raise CheckpointError(
         f"{fn_name(call.fn)} changed its {where} in place{shared}; the replay would run on "
@@ -66,8 +68,10 @@ def raise_input_changed(call: BoundaryCall, tensors: Sequence[torch.Tensor],
              "torch.embedding_renorm_(table, ids, max_norm, norm_type) under torch.no_grad(), "
              "then the lookup without max_norm (a clone inside the layer would drop the change "
              "eager makes to the caller's tensor)" if trainable else
-             "clone the input inside the layer before changing it (x = x.clone()), or make the "
-             "change outside the checkpointed call") + (
+             "where the caller does not need the change, clone the input inside the layer "
+             "before changing it (x = x.clone()); where it does (a running statistic passed "
+             "in), keep that tensor as a buffer of the layer, or make the change outside the "
+             "checkpointed call") + (
                 "; a sparse COO input's counter also moves when code only marks it coalesced "
                 "(`_coalesced_(True)`, as PyG's GCNConv does with a COO `adj_t`): pass it as "
                 "CSR (`adj.to_sparse_csr()`)" if coo else ""))
