@@ -158,8 +158,8 @@ def check_at_first_call(fn: Callable[..., Any], owner: nn.Module, whole: bool, /
     still checks (helper QR: ``checkpoint(model.run_head, h)``, then ``checkpoint(model, x)``,
     was let through)."""
     if whole or not other_method_of(fn, owner):
+        at_first_call(owner)  # may refuse: pending until it passes (helper QS: a retry ran)
         owner.__dict__.pop(PENDING, None)
-        at_first_call(owner)
     else:
         owner.__dict__[PENDING] = True
 

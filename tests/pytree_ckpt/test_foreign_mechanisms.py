@@ -1334,3 +1334,121 @@ def test_checkpoint_of_an_instance_forward_set_as_a_partial_holding_a_reentrant_
     eager(x).square().sum().backward()
     assert all(b.grad is not None and torch.equal(a.grad, b.grad)
                for a, b in zip(eager.parameters(), model.parameters()))
+
+
+# Helper QS: regressions of 57bf18a (the torch-wrapper check pending while only parts ran).
+
+
+class _QSModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def run_head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.first(x)))
+
+
+def test_checkpoint_of_a_whole_model_retried_after_its_refusal_following_a_part_call_is_refused_again(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    torch.manual_seed(0)
+    eager = _QSModel()
+    model = copy.deepcopy(eager)
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    h = torch.randn(4, 8, requires_grad=True)
+    pytree_ckpt.checkpoint(model.run_head, h).sum().backward()  # a part: rightly not refused
+    eager.run_head(h).sum().backward()
+    x = torch.randn(4, 8)  # needs no grad, as a frozen embedding's output
+    with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
+        pytree_ckpt.checkpoint(model, x)
+    try:  # the same call again (a notebook cell rerun, a caught error): refused as at first
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pytree_ckpt.checkpoint(model, x).square().sum().backward()
+    except pytree_ckpt.CheckpointError as refused:
+        assert "REENTRANT" in str(refused)
+        return
+    eager(x).square().sum().backward()
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_checkpoint_of_a_whole_model_retried_after_its_refusal_is_refused_again() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model = _QSModel()
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
+            pytree_ckpt.checkpoint(model, x)
+
+
+def test_a_copy_or_a_saved_and_loaded_model_after_a_part_call_still_refuses_its_reentrant_torch_wrapper(
+        ) -> None:
+    import io
+    import pickle
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model = _QSModel()
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    pytree_ckpt.checkpoint(model.run_head, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert not any("pytree" in key for key in model.state_dict())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)),
+                  torch.load(buffer, weights_only=False)):
+        with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
+            pytree_ckpt.checkpoint(other, torch.randn(4, 8))
+
+
+def test_part_whole_part_whole_calls_beside_a_non_reentrant_torch_wrapper_warn_once_and_give_eager(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    torch.manual_seed(0)
+    eager = _QSModel()
+    model = copy.deepcopy(eager)
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    h = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    told = []
+    for part in (True, False, True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = pytree_ckpt.checkpoint(model.run_head, h) if part else \
+                pytree_ckpt.checkpoint(model, x)
+        told += [str(w.message) for w in caught]
+        expected = eager.run_head(h) if part else eager(x)
+        assert torch.equal(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+    assert len(told) == 1 and "checkpointed twice" in told[0]
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_a_reentrant_torch_wrapper_added_after_whole_and_part_calls_is_refused_at_the_next_whole_call(
+        ) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model = _QSModel()
+    x = torch.randn(4, 8, requires_grad=True)
+    h = torch.randn(4, 8, requires_grad=True)
+    pytree_ckpt.checkpoint(model, x).sum().backward()
+    pytree_ckpt.checkpoint(model.run_head, h).sum().backward()
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    pytree_ckpt.checkpoint(model.run_head, h).sum().backward()  # a part: not refused
+    with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
+        pytree_ckpt.checkpoint(model, torch.randn(4, 8))
