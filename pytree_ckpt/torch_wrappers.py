@@ -16,13 +16,14 @@ from .eager import user_stacklevel
 from .errors import CheckpointConfigError
 from .tree import dunder
 
-__all__ = ["PENDING", "at_first_call", "check_at_first_call", "other_method_of",
-           "refuse_reentrant_torch_wrappers", "warn_inside_torch_wrapper"]
+__all__ = ["PENDING", "check_at_first_call", "other_method_of", "refuse_reentrant_torch_wrappers",
+           "warn_inside_torch_wrapper"]
 
 # Set on a module once a wrapper it holds was told (or looked for where layers are wrapped).
 _TOLD = "_pytree_ckpt_torch_wrapper_told"
 # Set on a model while only calls of its other methods ran (check_at_first_call).
 PENDING = "_pytree_ckpt_torch_wrapper_pending"
+
 
 def _torch_wrapper(module: nn.Module, /) -> bool:
     # Known by its class's name and package: an isinstance test would import torch.distributed
@@ -85,7 +86,7 @@ def warn_inside_torch_wrapper(model: nn.Module | None,
     (``warn_stacked_checkpointing``). With ``CheckpointImpl.REENTRANT`` it is refused at once:
     a layer holding one would have every backward refused, and one inside one gets no
     gradient where no input requires grad (helper QL: warned "gradients stay exact"). A layer
-    warned about here is not warned again at its first call (``at_first_call``).
+    warned about here is not warned again at its first call (``check_at_first_call``).
     ``chosen``: (path in ``model``, module) pairs about to be checkpointed; their subtrees, and
     their ancestors in ``model`` where given, are looked at (layers given in a list have no
     known ancestors: ``path`` then only names them)."""
@@ -158,13 +159,13 @@ def check_at_first_call(fn: Callable[..., Any], owner: nn.Module, whole: bool, /
     still checks (helper QR: ``checkpoint(model.run_head, h)``, then ``checkpoint(model, x)``,
     was let through)."""
     if whole or not other_method_of(fn, owner):
-        at_first_call(owner)  # may refuse: pending until it passes (helper QS: a retry ran)
+        _at_first_call(owner)  # may refuse: pending until it passes (helper QS: a retry ran)
         owner.__dict__.pop(PENDING, None)
     else:
         owner.__dict__[PENDING] = True
 
 
-def at_first_call(owner: nn.Module, /) -> None:
+def _at_first_call(owner: nn.Module, /) -> None:
     """The module a boundary's call runs (``checkpoint(model, x)``, or a layer's own), at its
     first calls (``ever_verified`` false): the checks of ``warn_inside_torch_wrapper`` for
     what it holds, which only the functions that wrap layers made (helper QL:
