@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # offload imports this package's errors: imported lazily at r
 OFFLOAD_ENV = "XTUNER_ACTIVATION_OFFLOAD"
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_layers", "resolve_offload",
-           "layer_count", "refuse_checkpointed_beyond", "validate_ratio", "warn_offload_unused"]
+           "layer_count", "layer_refs", "refuse_checkpointed_beyond", "validate_ratio",
+           "warn_offload_unused"]
 
 M = TypeVar("M", bound=nn.Module)  # the module given is the one returned, changed in place
 
@@ -292,19 +293,19 @@ def _chosen_by(model: nn.Module, check_fn: Callable[[nn.Module], bool], /
     return chosen
 
 
-def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float, /
-                               ) -> None:
+def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: float,
+                               refs: Sequence[str], /) -> None:
     """A layer past the first ``count`` that is checkpointed (an earlier apply with a higher
     ratio, or layers inserted in front of checkpointed ones since) would stay so, and the
     returned indices would be wrong; ``checkpoint_layers`` and ``apply_recompute_config``
-    refuse before changing any layer."""
+    refuse before changing any layer. ``refs``: how each layer is named (``layer_refs``)."""
     for index in range(count, len(layers)):
         if is_checkpointed(layers[index]):
             raise CheckpointConfigError(
-                f"layer {index} ({type(layers[index]).__name__}) is checkpointed, but "
+                f"{refs[index]} ({type(layers[index]).__name__}) is checkpointed, but "
                 f"ratio={ratio} checkpoints only the first {count} of {len(layers)} layers",
                 expected=f"layers {count}..{len(layers) - 1} not checkpointed",
-                got=f"layers[{index}] checkpointed (an earlier apply with a higher ratio, or "
+                got=f"{refs[index]} checkpointed (an earlier apply with a higher ratio, or "
                     "layers inserted before it since?)",
                 tip="call remove_activation_checkpointing on every layer first, then apply "
                     "the new config")
@@ -340,6 +341,16 @@ def layer_labels(layers: Iterable[nn.Module], count: int, where: str, /) -> list
     if mapping is not None:
         return [f"key {key!r} of the layers given to {where}" for key in list(mapping)[:count]]
     return [f"#{index} of the layers given to {where}" for index in range(count)]
+
+
+def layer_refs(layers: Iterable[nn.Module], count: int, /) -> list[str]:
+    """How a tip names each of the first ``count`` of ``layers`` for the caller to index:
+    ``layers['4']`` for a ModuleDict's ``values()`` (a pipeline stage keeps the model's keys:
+    ``layers[0]`` was a KeyError, helper QV), else ``layers[i]``."""
+    mapping = getattr(layers, "mapping", None) if isinstance(layers, _DICT_VALUES) else None
+    if mapping is not None:
+        return [f"layers[{key!r}]" for key in list(mapping)[:count]]
+    return [f"layers[{index}]" for index in range(count)]
 
 
 def listed_layers(layers: Iterable[nn.Module], where: str, /) -> list[nn.Module]:
@@ -392,13 +403,14 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
     listed = listed_layers(layers, "checkpoint_layers")
     count = layer_count(len(listed), validate_ratio(ratio))
     labels = layer_labels(layers, count, "checkpoint_layers")
-    refuse_checkpointed_beyond(listed, count, ratio)
+    refs = layer_refs(layers, len(listed))
+    refuse_checkpointed_beyond(listed, count, ratio, refs)
     manager = resolve_offload(offload)
     warn_offload_unused(offload, count, len(listed), ratio, "checkpoint_layers")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager,
                               verify_replay=verify_replay)
     for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change
-        refuse_other_options(layer, options, index=index)
+        refuse_other_options(layer, options, index=index, ref=refs[index])
     refuse_reentrant_torch_wrappers([(f"layers[{index}]", layer)
                                      for index, layer in enumerate(listed[:count])])
     for index, layer in enumerate(listed[:count]):

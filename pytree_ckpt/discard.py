@@ -263,12 +263,16 @@ class CheckpointWithoutOutput:
             flat = flatten(arg, root=f"args[{i}]")
             refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
             if any(isinstance(x, torch.Tensor) for x in flat.leaves):
+                # A function taking them one by one: torch.cat itself takes no tensors so
+                # (helper QV: the tip read as ckpt.checkpoint(torch.cat, a, b) failed).
                 raise CheckpointConfigError(
                     "CheckpointWithoutOutput takes tensors as plain arguments; "
-                    f"{callable_name(fn)} got a container of tensors",
-                    expected="fn(tensor, ..., other_values)", got=type(arg).__name__,
-                    tip="pass the tensors as separate arguments, or use pytree_ckpt.checkpoint "
-                        "for structured inputs")
+                    f"{callable_name(fn)} got a container of tensors at args[{i}]",
+                    expected="fn(tensor, ..., other_values)",
+                    got=f"args[{i}]: {type(arg).__name__}",
+                    tip="pass the tensors as separate arguments of a function that takes them "
+                        "one by one (ckpt.checkpoint(lambda a, b: torch.cat([a, b], -1), a, "
+                        "b)), or use pytree_ckpt.checkpoint for structured inputs")
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs

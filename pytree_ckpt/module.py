@@ -314,10 +314,12 @@ def described(fn: Any, /) -> str:
 
 
 def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
-                         index: int | None = None) -> bool:
+                         index: int | None = None, ref: str | None = None) -> bool:
     """Whether ``module`` already has a boundary with ``options``; raises if it has one with
     other options (callers check every layer before changing any). ``index``: the module's
-    place in a layer list, named in the message (layers of one class look alike)."""
+    place in a layer list, named in the message (layers of one class look alike); ``ref``:
+    how the tip names it there (``layers['4']`` for a ModuleDict's values: ``layers[0]`` was
+    a KeyError, helper QV)."""
     # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary there
     # would checkpoint nothing, silently.
     refuse_container(module, "a boundary on it would never run, and its layers would not be "
@@ -326,7 +328,8 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
     if installed is not None and installed.options != options:
         name = type(module).__name__
         where, ref = (name, "module") if index is None else \
-            (f"layer {index} ({name})", f"layers[{index}]")
+            (f"layer {index} ({name})", f"layers[{index}]") if ref is None else \
+            (f"{ref} ({name})", ref)
         fields = [field.name for field in dataclasses.fields(BoundaryOptions)
                   if getattr(installed.options, field.name) != getattr(options, field.name)]
         env = (" (offload=None reads XTUNER_ACTIVATION_OFFLOAD: a value changed between two "

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .apply import (layer_count, layer_labels, listed_layers, refuse_checkpointed_beyond,
-                    resolve_offload, validate_ratio, warn_offload_unused)
+from .apply import (layer_count, layer_labels, layer_refs, listed_layers,
+                    refuse_checkpointed_beyond, resolve_offload, validate_ratio,
+                    warn_offload_unused)
 from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
@@ -131,6 +132,12 @@ class RecomputeConfig:
 
     @classmethod
     def from_json(cls, text: str, /) -> RecomputeConfig:
+        if not isinstance(text, (str, bytes, bytearray)):  # json's bare TypeError (helper QV)
+            raise CheckpointConfigError(
+                "RecomputeConfig.from_json takes the JSON text", expected="str",
+                got=describe_leaf(text),
+                tip="RecomputeConfig(**data) for a dict already parsed (json.load of a file "
+                    "gives one), or RecomputeConfig.from_json(path.read_text())")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -264,9 +271,10 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
                               verify_replay=verify_replay)
     warn_offload_unused(offload, count, len(listed), config.ratio, "RecomputeConfig")
     # Before anything changes: refused, nothing changes.
+    refs = layer_refs(layers, len(listed))
     for index, layer in enumerate(chosen):
-        refuse_other_options(layer, options, index=index)
-    refuse_checkpointed_beyond(listed, count, config.ratio)
+        refuse_other_options(layer, options, index=index, ref=refs[index])
+    refuse_checkpointed_beyond(listed, count, config.ratio, refs)
     for module, name in kept:
         _refuse_unkeepable(module, name, chosen)
     warn_inside_torch_wrapper(None, [(f"layers[{index}]", layer)  # may refuse: before changes

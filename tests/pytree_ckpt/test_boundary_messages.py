@@ -825,7 +825,7 @@ def test_a_layer_list_checkpointed_again_with_other_options_names_the_layer_and_
                       offload=False)):
         with pytest.raises(pytree_ckpt.CheckpointConfigError) as info:
             apply()
-        assert "layer 1 (Sequential) is already checkpointed" in str(info.value)
+        assert "layers[1] (Sequential) is already checkpointed" in str(info.value)
         assert "remove_activation_checkpointing(layers[1])" in str(info.value)
         assert not pytree_ckpt.is_checkpointed(layers[0])  # nothing changed
     pytree_ckpt.remove_activation_checkpointing(layers[1])  # the tip works

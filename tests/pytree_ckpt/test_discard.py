@@ -917,7 +917,8 @@ def test_tensors_in_any_container_argument_are_refused_and_the_object_stays_unus
     arg = {"x": x} if container is dict else container([x])
     key = "x" if container is dict else 0
     ckpt = CheckpointWithoutOutput()
-    with pytest.raises(CheckpointConfigError, match=f"(?s)container of tensors.*got:      "
+    with pytest.raises(CheckpointConfigError, match=f"(?s)container of tensors at args\\[0\\]"
+                                                    f".*got:      args\\[0\\]: "
                                                     f"{container.__name__}.*tip"):
         ckpt.checkpoint(lambda xs: xs[key] * 2, arg)
     assert ckpt.fn is None and not ckpt.passthrough
@@ -2846,3 +2847,42 @@ def test_a_rebuilt_discard_module_given_a_submodule_since_is_watched_again() -> 
         assert "took a gradient inside its forward" in str(refused)
         return
     assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+
+
+def test_a_list_given_to_torch_cat_is_refused_with_its_path_and_a_tip_that_runs() -> None:
+    a = torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    proj = nn.Linear(16, 4)
+    proj(torch.cat([a, b], -1)).sum().backward()
+    eager = [a.grad, b.grad]
+    a.grad = b.grad = None
+    with pytest.raises(CheckpointConfigError) as refused:
+        CheckpointWithoutOutput().checkpoint(torch.cat, [a, b], -1)
+    message = str(refused.value)
+    assert "args[0]" in message, message  # the key path, as every other refusal names it
+    # The tip, followed literally: a function taking the tensors one by one (it said to pass
+    # them as separate arguments, and ckpt.checkpoint(torch.cat, a, b, -1) is torch's TypeError).
+    assert "ckpt.checkpoint(lambda a, b: torch.cat([a, b], -1), a, b)" in message, message
+    ckpt = CheckpointWithoutOutput()
+    out = ckpt.checkpoint(lambda a, b: torch.cat([a, b], -1), a, b)
+    y = proj(out)
+    ckpt.discard_output_and_register_recompute(y)
+    y.sum().backward()
+    assert torch.equal(a.grad, eager[0]) and torch.equal(b.grad, eager[1])
+
+
+def test_a_list_given_to_torch_cat_works_through_a_function_taking_the_tensors() -> None:
+    # What does work (the kw refusal's tip shows it): a function taking the tensors one by one.
+    a = torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(4, 8, requires_grad=True)
+    proj = nn.Linear(16, 4)
+    proj(torch.cat([a, b], -1)).sum().backward()
+    eager = [a.grad, b.grad, proj.weight.grad]
+    a.grad = b.grad = proj.weight.grad = None
+    ckpt = CheckpointWithoutOutput()
+    out = ckpt.checkpoint(lambda p, q: torch.cat([p, q], -1), a, b)
+    y = proj(out)
+    ckpt.discard_output_and_register_recompute(y)
+    assert out.untyped_storage().nbytes() == 0  # freed
+    y.sum().backward()
+    assert all(torch.equal(g, e) for g, e in zip((a.grad, b.grad, proj.weight.grad), eager))

@@ -253,7 +253,7 @@ def test_a_lower_ratio_over_layers_checkpointed_beyond_it_is_refused_before_any_
                   lambda: pytree_ckpt.apply_recompute_config(
                       model.layers, pytree_ckpt.RecomputeConfig(0.4), {})):
         with pytest.raises(CheckpointConfigError,
-                           match=r"(?s)layer 2 \(Layer\) is checkpointed, but ratio=0\.4 "
+                           match=r"(?s)layers\[2\] \(Layer\) is checkpointed, but ratio=0\.4 "
                                  r"checkpoints only the first 2 of 5 layers.*tip: call "
                                  r"remove_activation_checkpointing"):
             apply()
@@ -826,7 +826,7 @@ def test_applying_again_with_other_options_names_what_differs_as_installed_and_r
     assert "as requested now: preserve_rng_state=False, offload=the default manager" in message
     with pytest.raises(CheckpointConfigError) as err:
         checkpoint_layers([nn.Linear(2, 2), layer], offload=False)
-    assert "layer 1 (Linear) is already checkpointed" in str(err.value)
+    assert "layers[1] (Linear) is already checkpointed" in str(err.value)
     assert "remove_activation_checkpointing(layers[1])" in str(err.value)
 
 
@@ -1823,3 +1823,32 @@ def _qn_adapted(m: nn.Module, cls: type) -> bool:
 def test_a_check_fn_adapted_by_a_functools_wraps_decorator_is_taken_as_torchs_is() -> None:
     assert _qn_adapted(_QnBlock()) is True  # a function of one module, as torch calls it
     _qn_chosen_by(_qn_adapted)
+
+
+def test_a_reapply_over_moduledict_values_names_the_layer_by_its_key_and_its_tip_runs() -> None:
+    class Stage(nn.Module):  # torchtitan's pipeline stage keeps the model's layer keys
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleDict({"4": nn.Linear(4, 4), "5": nn.Linear(4, 4)})
+
+    stage = Stage()
+    checkpoint_layers(stage.layers.values())
+    with pytest.raises(CheckpointConfigError) as err:
+        checkpoint_layers(stage.layers.values(), verify_replay=True)
+    message = str(err.value)
+    assert "'4'" in message, message  # the key the user knows the layer by
+    assert "layers[0]" not in message, message  # stage.layers[0] is a KeyError
+
+
+def test_a_reapply_over_a_layer_list_with_other_options_tip_runs_and_gives_eager_grads() -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    twin = copy.deepcopy(layers)
+    checkpoint_layers(layers)
+    with pytest.raises(CheckpointConfigError, match=r"remove_activation_checkpointing\(layers\[0\]\)"):
+        checkpoint_layers(layers, verify_replay=True)
+    for layer in layers:  # the tip, for every layer
+        pytree_ckpt.remove_activation_checkpointing(layer)
+    assert checkpoint_layers(layers, verify_replay=True) == [0, 1, 2]
+    x = torch.randn(2, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, layers], x, seed=0))

@@ -2233,3 +2233,21 @@ def test_make_fx_of_a_step_through_a_kept_method_with_an_output_discard_traces_e
         m.zero_grad()
         m(h).square().sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()))
+
+
+# -- helper QV: error quality of the config readers --------------------------------------------
+
+@pytest.mark.parametrize("parsed", [{"ratio": 0.5, "save": ["attn"]}, None])
+def test_recompute_config_from_json_of_a_parsed_config_is_refused_naming_the_fix(parsed):
+    # A training config read from YAML/JSON already holds the dict; a missing key gives None.
+    with pytest.raises(CheckpointConfigError, match="RecomputeConfig"):
+        RecomputeConfig.from_json(parsed)
+
+
+def test_recompute_config_readers_refuse_bad_values_in_the_library_family():
+    for make in (lambda: RecomputeConfig.from_json('{"ratio": "0.5"}'),
+                 lambda: RecomputeConfig.from_json('{"ratio": 0.5, "save": [null]}'),
+                 lambda: RecomputeConfig(0.5, save={"attn"}),
+                 lambda: RecomputeConfig(0.5, save=[["attn"]])):
+        with pytest.raises(CheckpointConfigError, match="expected"):
+            make()

@@ -220,7 +220,7 @@ def test_a_lower_ratio_over_layers_checkpointed_by_a_higher_one_is_refused() -> 
     # The layers past the new count stayed checkpointed, and the returned indices said not.
     layers = nn.ModuleList(Layer() for _ in range(4))
     assert apply_recompute_config(layers, RecomputeConfig(1.0), {}) == [0, 1, 2, 3]
-    with pytest.raises(CheckpointConfigError, match="layer 2 .* is checkpointed, but ratio=0.5"):
+    with pytest.raises(CheckpointConfigError, match=r"layers\[2\] .* is checkpointed, but ratio=0.5"):
         apply_recompute_config(layers, RecomputeConfig(0.5), {})
     for layer in layers:
         remove_activation_checkpointing(layer)
