@@ -19,7 +19,7 @@ from torch import nn
 from .boundary_call import BoundaryOptions
 from .eager import user_stacklevel
 from .errors import CheckpointConfigError
-from .module import install_boundary, is_checkpointed, label_boundary, refuse_other_options
+from .module import install_boundary, is_checkpointed, label_boundary, refuse_other_options_among
 from .refusals import require_module
 from .torch_options import refuses_torch_options
 from .torch_wrappers import refuse_reentrant_torch_wrappers, warn_inside_torch_wrapper
@@ -119,8 +119,8 @@ def apply_activation_checkpointing(module: M, /, *, preserve_rng_state: bool = T
         return install_boundary(module, options)
     _refuse_policy(check_fn)
     chosen = _chosen_by(module, check_fn)
-    for _, layer in chosen:  # before any changes: refused, none change
-        refuse_other_options(layer, options)
+    # Before any changes: refused, none change; removed at once through the module given.
+    refuse_other_options_among(chosen, options, undo="remove_activation_checkpointing(module)")
     warn_inside_torch_wrapper(module, chosen)
     for name, layer in chosen:
         install_boundary(layer, options, label=name or None)
@@ -299,8 +299,9 @@ def refuse_checkpointed_beyond(layers: Sequence[nn.Module], count: int, ratio: f
     ratio, or layers inserted in front of checkpointed ones since) would stay so, and the
     returned indices would be wrong; ``checkpoint_layers`` and ``apply_recompute_config``
     refuse before changing any layer. ``refs``: how each layer is named (``layer_refs``)."""
+    first = {id(layer) for layer in layers[:count]}  # one module listed twice (helper QU)
     for index in range(count, len(layers)):
-        if is_checkpointed(layers[index]):
+        if is_checkpointed(layers[index]) and id(layers[index]) not in first:
             raise CheckpointConfigError(
                 f"{refs[index]} ({type(layers[index]).__name__}) is checkpointed, but "
                 f"ratio={ratio} checkpoints only the first {count} of {len(layers)} layers",
@@ -409,10 +410,9 @@ def checkpoint_layers(layers: Iterable[nn.Module], /, *, ratio: float = 1.0,
     warn_offload_unused(offload, count, len(listed), ratio, "checkpoint_layers")
     options = BoundaryOptions(preserve_rng_state=preserve_rng_state, offload=manager,
                               verify_replay=verify_replay)
-    for index, layer in enumerate(listed[:count]):  # before any changes: refused, none change
-        refuse_other_options(layer, options, index=index, ref=refs[index])
-    refuse_reentrant_torch_wrappers([(f"layers[{index}]", layer)
-                                     for index, layer in enumerate(listed[:count])])
+    # Before any changes: refused, none change.
+    refuse_other_options_among(list(zip(refs, listed[:count])), options)
+    refuse_reentrant_torch_wrappers(list(zip(refs, listed[:count])))
     for index, layer in enumerate(listed[:count]):
         apply_activation_checkpointing(layer, preserve_rng_state=preserve_rng_state,
                                        offload=manager if manager is not None else False,

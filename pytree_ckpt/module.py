@@ -32,6 +32,7 @@ import inspect
 import logging
 import types
 import weakref
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from torch import nn
@@ -51,7 +52,7 @@ from .tree import dunder
 logger = logging.getLogger(__name__)
 
 __all__ = ["remove_activation_checkpointing", "is_checkpointed", "body_forward",
-           "install_boundary", "refuse_other_options"]
+           "install_boundary", "refuse_other_options", "refuse_other_options_among"]
 
 M = TypeVar("M", bound=nn.Module)  # the module given is the one returned, changed in place
 
@@ -282,7 +283,7 @@ def install_boundary(module: M, options: BoundaryOptions, /, *,
     """Install a boundary with ``options`` on ``module``; ``apply_activation_checkpointing``'s
     core, also used by ``apply_recompute_config``. ``label``: where the caller found the
     module (``#3 of the layers given to ...``), kept for messages (a boundary already there
-    keeps its own, unless it has none)."""
+    takes it: ``label_boundary``)."""
     if refuse_other_options(module, options):
         label_boundary(module, label)
         return module
@@ -294,10 +295,11 @@ def install_boundary(module: M, options: BoundaryOptions, /, *,
 
 
 def label_boundary(module: nn.Module, label: str | None, /) -> None:
-    """Give the boundary on ``module`` the ``label`` (see ``install_boundary``), unless it has
-    one: the first entry point that found the module named it."""
+    """Give the boundary on ``module`` the ``label`` (see ``install_boundary``): the latest
+    entry point that found the module names it (helper QT: after a layer was inserted in
+    front and the layers applied again, the first label named another layer's place)."""
     installed = _installed(module)
-    if installed is not None and installed.label is None:
+    if installed is not None and label is not None:
         installed.label = label
 
 
@@ -313,37 +315,55 @@ def described(fn: Any, /) -> str:
     return f"{fn_name(fn)} ({label})" if label else fn_name(fn)
 
 
-def refuse_other_options(module: nn.Module, options: BoundaryOptions, /, *,
-                         index: int | None = None, ref: str | None = None) -> bool:
+def refuse_other_options(module: nn.Module, options: BoundaryOptions, /) -> bool:
     """Whether ``module`` already has a boundary with ``options``; raises if it has one with
-    other options (callers check every layer before changing any). ``index``: the module's
-    place in a layer list, named in the message (layers of one class look alike); ``ref``:
-    how the tip names it there (``layers['4']`` for a ModuleDict's values: ``layers[0]`` was
-    a KeyError, helper QV)."""
-    # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary there
-    # would checkpoint nothing, silently.
-    refuse_container(module, "a boundary on it would never run, and its layers would not be "
-                     "checkpointed", index=index)
-    installed = _installed(module)
-    if installed is not None and installed.options != options:
-        name = type(module).__name__
-        where, ref = (name, "module") if index is None else \
-            (f"layer {index} ({name})", f"layers[{index}]") if ref is None else \
-            (f"{ref} ({name})", ref)
-        fields = [field.name for field in dataclasses.fields(BoundaryOptions)
-                  if getattr(installed.options, field.name) != getattr(options, field.name)]
-        env = (" (offload=None reads XTUNER_ACTIVATION_OFFLOAD: a value changed between two "
-               "applies counts)" if "offload" in fields else "")
-        raise CheckpointConfigError(
-            f"{where} is already checkpointed with other options: {', '.join(fields)} "
-            f"{'differ' if len(fields) > 1 else 'differs'}",
-            expected="as installed: " + _describe_options(installed.options, fields),
-            got="as requested now: " + _describe_options(options, fields),
-            tip=f"call remove_activation_checkpointing({ref}) first, then apply again{env}"
-                + ("; or wrap the layers once, with every option in one call: "
-                   "apply_recompute_config(layers, config, targets, offload=...)"
-                   if "keep" in fields else ""))
-    return installed is not None
+    other options (``refuse_other_options_among``, for the module alone)."""
+    refuse_other_options_among([("", module)], options,
+                               undo="remove_activation_checkpointing(module)")
+    return _installed(module) is not None
+
+
+def refuse_other_options_among(layers: Sequence[tuple[str, nn.Module]],
+                               options: BoundaryOptions, /, *, undo: str | None = None) -> None:
+    """Refuse ``layers`` ((how the caller names it, module) pairs) if any is checkpointed with
+    other options than ``options``, naming every such one in one refusal: the tip named the
+    first, and following it met the same refusal for the next (helper QT). ``undo``: one call
+    that removes them all (the module a ``check_fn`` chose them in)."""
+    differing = []
+    for index, (ref, layer) in enumerate(layers):
+        # A container (ModuleList, ModuleDict): nothing calls its forward, so a boundary there
+        # would checkpoint nothing, silently.
+        refuse_container(layer, "a boundary on it would never run, and its layers would not "
+                         "be checkpointed", index=index if undo is None else None)
+        installed = _installed(layer)
+        if installed is not None and installed.options != options:
+            differing.append((ref, layer, installed))
+    if not differing:
+        return
+    refs = [ref for ref, _, _ in differing]
+    installed = differing[0][2]
+    fields = [field.name for field in dataclasses.fields(BoundaryOptions)
+              if any(getattr(i.options, field.name) != getattr(options, field.name)
+                     for _, _, i in differing)]
+    shown = ", ".join(f"{ref} ({type(layer).__name__})" if ref else type(layer).__name__
+                      for ref, layer, _ in differing[:3]) + (
+        f" and {len(differing) - 3} more" if len(differing) > 3 else "")
+    # A check_fn's choices are named by path, no expression: the module given undoes them all.
+    each = undo if undo is not None else (
+        ", ".join(f"remove_activation_checkpointing({ref})" for ref in refs) if len(refs) <= 3
+        else "remove_activation_checkpointing(layer) for each layer given")
+    env = (" (offload=None reads XTUNER_ACTIVATION_OFFLOAD: a value changed between two "
+           "applies counts)" if "offload" in fields else "")
+    raise CheckpointConfigError(
+        f"{shown} {'are' if len(differing) > 1 else 'is'} already checkpointed with other "
+        f"options: {', '.join(fields)} {'differ' if len(fields) > 1 else 'differs'}",
+        expected="as installed: " + _describe_options(installed.options, fields),
+        got="as requested now: " + _describe_options(options, fields),
+        tip=f"call {each} first{' (it undoes every checkpointed module inside it)' if undo else ''}"
+            f", then apply again{env}"
+            + ("; or wrap the layers once, with every option in one call: "
+               "apply_recompute_config(layers, config, targets, offload=...)"
+               if "keep" in fields else ""))
 
 
 def _describe_options(options: BoundaryOptions, fields: list[str], /) -> str:
@@ -380,11 +400,38 @@ def remove_activation_checkpointing(module: M, /) -> M:
     installed = _installed(module)
     module.__dict__.pop(_INSTALLED, None)
     if installed is None:
-        # Never wrapped (or its forward replaced since): the checkpointed modules inside it.
+        # Never wrapped (or its forward replaced since): the checkpointed modules inside it,
+        # then what boundaries left on the rest of its tree: a submodule swapped out of a
+        # checkpointed layer between steps, unwrapped by itself (helper QT: it kept its
+        # marks, recorder and kept-method wrapper, its pickle naming pytree_ckpt).
         for sub in list(module.modules())[1:]:
             if _installed(sub) is not None:
                 remove_activation_checkpointing(sub)
+        _undo_left(module)
         return module
+    _undo_left(module)
+    bare = installed.bare
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        # module.compile() of the checkpointed layer compiled nothing through the boundary,
+        # and left on, it would refuse (fullgraph) or warn again once the layer is checkpointed
+        # anew, whatever its body: removal takes it away, as a wrapper compiled over the
+        # boundary goes (compile the module again after removal to compile it unwrapped).
+        logger.info("%s: module.compile()'s compiled call goes with the boundary",
+                    type(module).__name__)
+        module.__dict__["_compiled_call_impl"] = None
+    # NOTE [compiled over the boundary] in compiled_layers.py
+    if module.__dict__.get("forward") is not installed:
+        logger.info("%s: the torch.compile wrapper put over its boundary goes with it",
+                    type(module).__name__)
+    if bare is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = bare
+    return module
+
+
+def _undo_left(module: nn.Module, /) -> None:
+    """What boundaries put on ``module``'s tree, less what is behind another boundary."""
     # Methods its save units wrapped (KeptCallables), in submodules behind a boundary of their
     # own too: its units keep those as well (in its replay, their original pass is taken from
     # its records). NOTE [kept methods of shared submodules] in kept_owners.py: not those
@@ -407,24 +454,6 @@ def remove_activation_checkpointing(module: M, /) -> M:
         # unwrapped model would still name pytree_ckpt's classes (a warning's Told marker).
         for name in [name for name in sub.__dict__ if name.startswith(_MARKS)]:
             del sub.__dict__[name]
-    bare = installed.bare
-    if module.__dict__.get("_compiled_call_impl") is not None:
-        # module.compile() of the checkpointed layer compiled nothing through the boundary,
-        # and left on, it would refuse (fullgraph) or warn again once the layer is checkpointed
-        # anew, whatever its body: removal takes it away, as a wrapper compiled over the
-        # boundary goes (compile the module again after removal to compile it unwrapped).
-        logger.info("%s: module.compile()'s compiled call goes with the boundary",
-                    type(module).__name__)
-        module.__dict__["_compiled_call_impl"] = None
-    # NOTE [compiled over the boundary] in compiled_layers.py
-    if module.__dict__.get("forward") is not installed:
-        logger.info("%s: the torch.compile wrapper put over its boundary goes with it",
-                    type(module).__name__)
-    if bare is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = bare
-    return module
 
 
 def _own_submodules(module: nn.Module) -> list[nn.Module]:

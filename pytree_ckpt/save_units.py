@@ -37,7 +37,7 @@ from .keep import KeepPolicy, op_name
 from .kept_callables import (KeptCallables, _KeptMethod, kept_methods, near_misses,
                              unmatched)
 from .kept_ops import KeptOps, RecomputeTarget
-from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options
+from .module import body_forward, install_boundary, is_checkpointed, refuse_other_options_among
 from .torch_options import refuses_torch_options
 from .torch_wrappers import warn_inside_torch_wrapper
 from .tree import describe_leaf, dunder
@@ -134,13 +134,14 @@ class RecomputeConfig:
     def from_json(cls, text: str, /) -> RecomputeConfig:
         if not isinstance(text, (str, bytes, bytearray)):  # json's bare TypeError (helper QV)
             raise CheckpointConfigError(
-                "RecomputeConfig.from_json takes the JSON text", expected="str",
+                "RecomputeConfig.from_json takes the JSON text", expected="str or bytes",
                 got=describe_leaf(text),
-                tip="RecomputeConfig(**data) for a dict already parsed (json.load of a file "
-                    "gives one), or RecomputeConfig.from_json(path.read_text())")
+                tip="RecomputeConfig.from_json(json.dumps(data)) for a dict already parsed "
+                    "(json.load of a file gives one; its keys are checked so), or "
+                    "RecomputeConfig.from_json(path.read_text())")
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:  # bytes not UTF-8 (QU)
             raise CheckpointConfigError(
                 f"RecomputeConfig JSON does not parse: {err}", expected='{"ratio": ..., '
                 '"save": ...}', got=repr(text[:80]),
@@ -272,12 +273,11 @@ def apply_recompute_config(layers: Iterable[nn.Module], config: RecomputeConfig,
     warn_offload_unused(offload, count, len(listed), config.ratio, "RecomputeConfig")
     # Before anything changes: refused, nothing changes.
     refs = layer_refs(layers, len(listed))
-    for index, layer in enumerate(chosen):
-        refuse_other_options(layer, options, index=index, ref=refs[index])
+    refuse_other_options_among(list(zip(refs, chosen)), options)
     refuse_checkpointed_beyond(listed, count, config.ratio, refs)
     for module, name in kept:
         _refuse_unkeepable(module, name, chosen)
-    warn_inside_torch_wrapper(None, [(f"layers[{index}]", layer)  # may refuse: before changes
+    warn_inside_torch_wrapper(None, [(refs[index], layer)  # may refuse: before changes
                                      for index, layer in enumerate(chosen)])
     for module, name in kept:
         install_kept(module, name)

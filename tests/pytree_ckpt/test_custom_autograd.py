@@ -713,3 +713,43 @@ def test_gradients_a_function_takes_in_its_forward_are_eagers_under_the_boundary
             taken.append([loss.detach(), xx.grad, *[p.grad.clone() for p in model.parameters()]])
             model.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(*taken))
+
+
+def test_a_running_statistic_passed_in_and_changed_in_place_kept_as_a_buffer_per_the_tip_gives_eager(
+        ) -> None:
+    class Passed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            stat.add_(h.detach().mean(0))
+            return torch.tanh(h) * stat.sum()
+
+    class Kept(nn.Module):  # the tip: the statistic as a buffer of the layer
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("stat", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            self.stat.add_(h.detach().mean(0))
+            return torch.tanh(h) * self.stat.sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(CheckpointError, match="keep that tensor as a buffer of the layer"):
+        pytree_ckpt.checkpoint(Passed(), x, torch.zeros(4))
+    eager = Kept()
+    ckpt = copy.deepcopy(eager)
+    pytree_ckpt.apply_activation_checkpointing(ckpt)
+    xe, xc = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    for _ in range(2):
+        eager(xe).sum().backward()
+        ckpt(xc).sum().backward()
+    assert torch.equal(eager.stat, ckpt.stat)
+    assert torch.equal(xe.grad, xc.grad)
+    assert torch.equal(eager.lin.weight.grad, ckpt.lin.weight.grad)
+    assert torch.equal(eager.lin.bias.grad, ckpt.lin.bias.grad)

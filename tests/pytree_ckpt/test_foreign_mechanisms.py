@@ -1452,3 +1452,20 @@ def test_a_reentrant_torch_wrapper_added_after_whole_and_part_calls_is_refused_a
     pytree_ckpt.checkpoint(model.run_head, h).sum().backward()  # a part: not refused
     with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
         pytree_ckpt.checkpoint(model, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("apply", ["checkpoint_layers", "apply_recompute_config"])
+def test_a_reentrant_torch_wrapper_over_moduledict_values_is_named_by_its_key(apply: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             checkpoint_wrapper)
+    stage = nn.ModuleDict({"4": nn.Linear(4, 4),  # a pipeline stage keeps the model's keys
+                           "5": checkpoint_wrapper(nn.Linear(4, 4),
+                                                   checkpoint_impl=CheckpointImpl.REENTRANT)})
+    with pytest.raises(pytree_ckpt.CheckpointConfigError) as err:
+        if apply == "checkpoint_layers":
+            pytree_ckpt.checkpoint_layers(stage.values())
+        else:
+            pytree_ckpt.apply_recompute_config(stage.values(), pytree_ckpt.RecomputeConfig(1.0), {})
+    message = str(err.value)
+    assert "layers['5']" in message, message  # stage[1] is a KeyError
+    assert not pytree_ckpt.is_checkpointed(stage["4"])

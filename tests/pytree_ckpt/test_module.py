@@ -1852,3 +1852,60 @@ def test_a_reapply_over_a_layer_list_with_other_options_tip_runs_and_gives_eager
     assert checkpoint_layers(layers, verify_replay=True) == [0, 1, 2]
     x = torch.randn(2, 4, requires_grad=True)
     assert_same_grads(*grads_per_model([twin, layers], x, seed=0))
+
+
+def test_following_the_tip_to_reapply_other_options_to_several_checkpointed_layers_succeeds(
+        ) -> None:
+    # Mid-training, checkpointing is re-applied with other options (verify_replay turned on
+    # to chase a mismatch): every layer is checkpointed, the tip names only layers[0], and
+    # doing what it says raises the same error for layers[1] (then layers[2], ...).
+    import re
+
+    layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    checkpoint_layers(layers)
+    with pytest.raises(CheckpointConfigError) as err:
+        checkpoint_layers(layers, verify_replay=True)
+    removals = re.findall(r"remove_activation_checkpointing\(([^)]*)\)", str(err.value))
+    assert removals
+    for expression in removals:  # what the tip says, done as it says
+        remove_activation_checkpointing(eval(expression, {"layers": layers, "layer": layers}))
+    assert checkpoint_layers(layers, verify_replay=True) == [0, 1, 2]
+
+
+def test_the_same_ratio_applied_twice_to_a_list_holding_a_layer_twice_gives_eager_grads() -> None:
+    torch.manual_seed(0)
+    shared, other = nn.Linear(4, 4), nn.Linear(4, 4)  # ALBERT-style: one layer called twice
+    twin = nn.Sequential(copy.deepcopy(shared), copy.deepcopy(other))
+    twin = nn.Sequential(twin[0], twin[1], twin[0])
+    layers = [shared, other, shared]
+    assert checkpoint_layers(layers, ratio=0.67) == [0, 1]
+    assert checkpoint_layers(layers, ratio=0.67) == [0, 1]  # idempotent, as for distinct layers
+    x = torch.randn(2, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, nn.Sequential(*layers)], x, seed=0))
+
+
+def test_a_reapply_over_a_slice_or_generator_names_each_layer_by_its_place_in_what_was_given(
+        ) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    twin = copy.deepcopy(model)
+    checkpoint_layers(model.children())
+    with pytest.raises(CheckpointConfigError, match=r"layers\[1\] \(Tanh\) is checkpointed, "
+                                                    r"but ratio=0.34"):
+        checkpoint_layers((layer for layer in model), ratio=0.34)
+    with pytest.raises(CheckpointConfigError, match=r"remove_activation_checkpointing\(layers\[0\]\)"):
+        checkpoint_layers(model[1:], verify_replay=True)  # model[1:][0] is model[1]
+    x = torch.randn(2, 4, requires_grad=True)
+    assert_same_grads(*grads_per_model([twin, model], x, seed=0))
+
+
+def test_moduledict_values_after_a_key_is_deleted_are_named_by_the_remaining_keys() -> None:
+    layers = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": nn.Linear(4, 4)})
+    checkpoint_layers(layers.values())
+    del layers["a"]
+    with pytest.raises(CheckpointConfigError, match=r"layers\['c'\] \(Linear\) is checkpointed"):
+        checkpoint_layers(layers.values(), ratio=0.5)
+    with pytest.raises(CheckpointConfigError,
+                       match=r"remove_activation_checkpointing\(layers\['b'\]\)"):
+        pytree_ckpt.apply_recompute_config(layers.values(), pytree_ckpt.RecomputeConfig(1.0), {},
+                                           verify_replay=True)

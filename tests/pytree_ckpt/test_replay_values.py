@@ -2269,3 +2269,51 @@ def test_a_quantized_output_is_named_as_not_compared_and_the_rest_keeps_eager_gr
         out = checkpointed(lambda x: (x * 2, packed), verify_replay=True)(x)
     out[0].pow(2).sum().backward()
     assert torch.equal(x.grad, 8 * x.detach())
+
+
+_SCALE = {"value": 1.0}  # state the layers read, changed before backward (what verify_replay finds)
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * _SCALE["value"]
+
+
+def test_verify_replay_names_a_layer_by_its_place_after_growth_in_front_and_a_reapply() -> None:
+    # Progressive growth: a new layer inserted in front of trained checkpointed ones, and
+    # check_fn applied again over the grown model (a no-op for those already wrapped, the new
+    # one wrapped and labelled "layers.0"). The old layers keep the labels of their old places
+    # (the first entry point that found a module names it: label_boundary in module.py), so
+    # two layers are "layers.0" and the refusal of model.layers[3]'s replay says "layers.2".
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(_ScaledBlock() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def wrap(model: nn.Module) -> None:
+        pytree_ckpt.apply_activation_checkpointing(
+            model, check_fn=lambda m: isinstance(m, _ScaledBlock), verify_replay=True)
+
+    model = Model()
+    wrap(model)
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    model.layers.insert(0, _ScaledBlock())  # grown between steps
+    wrap(model)
+    out = model(x)
+    _SCALE["value"] = 2.0  # every replay now differs; the last layer's is checked first
+    try:
+        with pytest.raises(ReplayMismatchError) as err:
+            out.sum().backward()
+    finally:
+        _SCALE["value"] = 1.0
+    assert "(layers.3)" in str(err.value), str(err.value)[:200]

@@ -2251,3 +2251,32 @@ def test_recompute_config_readers_refuse_bad_values_in_the_library_family():
                  lambda: RecomputeConfig(0.5, save=[["attn"]])):
         with pytest.raises(CheckpointConfigError, match="expected"):
             make()
+
+
+def test_from_json_of_bytes_that_are_not_utf8_is_refused_as_a_config_error() -> None:
+    text = '{"ratio": 0.5, "save": ["caf\u00e9"]}'.encode("latin-1")
+    with pytest.raises(CheckpointConfigError, match="RecomputeConfig"):
+        RecomputeConfig.from_json(text)
+
+
+def test_from_json_reads_bytes_and_its_refusal_of_a_path_or_file_has_a_tip_that_runs(
+        tmp_path: Any) -> None:
+    config = RecomputeConfig(0.5)
+    path = tmp_path / "recompute.json"
+    path.write_text(config.to_json())
+    assert RecomputeConfig.from_json(path.read_bytes()) == config
+    assert RecomputeConfig.from_json(bytearray(path.read_bytes())) == config
+    for wrong in (path, None):
+        with pytest.raises(CheckpointConfigError, match=r"path\.read_text\(\)"):
+            RecomputeConfig.from_json(wrong)  # type: ignore[arg-type]
+    assert RecomputeConfig.from_json(path.read_text()) == config  # the tip, literally
+    with open(path) as file:
+        with pytest.raises(CheckpointConfigError,
+                           match=r"RecomputeConfig\.from_json\(json\.dumps\(data\)\)"):
+            RecomputeConfig.from_json(file)  # type: ignore[arg-type]
+        file.seek(0)
+        import json
+        data = json.load(file)
+        assert RecomputeConfig.from_json(json.dumps(data)) == config  # the tip, literally
+    with pytest.raises(CheckpointConfigError, match="must be an object"):
+        RecomputeConfig.from_json("null")

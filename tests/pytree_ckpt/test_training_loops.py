@@ -575,3 +575,74 @@ def test_a_recipe_resumed_from_model_and_optimizer_state_dicts_continues_as_eage
     rest = _recipe_steps(resumed, resumed_optimizer, range(2, 4), dtype)
     _same(expected, first + rest)
     assert resumed_optimizer.state_dict()["state"][0]["step"].item() == 4
+
+
+@_OFFLOAD
+def test_model_surgery_between_steps_trains_as_eager(offloaded: bool) -> None:
+    # Helper QT: progressive depth growth (a trained layer duplicated with deepcopy, a new one
+    # inserted in front and wrapped), a layer dropped, the layers reordered, a submodule
+    # swapped (layer.lin = new), a parametrization added and removed, weight tying set up
+    # after wrapping, checkpointing removed and re-applied with a lower then a higher ratio,
+    # a dropout p and per-layer eval() changed mid-run, gradual unfreezing, and the optimizer
+    # rebuilt after each surgery: the twin undergoes the same surgery.
+    from torch.nn.utils import parametrize
+
+    class Half(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 0.5
+
+    def body(model: nn.Module) -> Any:
+        ours = pytree_ckpt.is_checkpointed(model.layers[0])
+        manager = model.layers[0].forward.options.offload if ours else None
+
+        def wrap(layer: nn.Module) -> None:
+            if ours:
+                pytree_ckpt.apply_activation_checkpointing(layer, offload=manager or False)
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model.requires_grad_(False)
+        model.head.requires_grad_(True)
+        results = []
+        for step in range(9):
+            rebuilt = True
+            if step == 1:
+                model.layers.append(copy.deepcopy(model.layers[1]))  # a wrapped layer's copy
+                torch.manual_seed(5)
+                model.layers.insert(0, _Layer())
+                wrap(model.layers[0])
+            elif step == 2:
+                del model.layers[2]
+                model.layers = nn.ModuleList(list(model.layers)[::-1])
+            elif step == 3:
+                torch.manual_seed(6)
+                model.layers[1].lin = nn.Linear(8, 8)
+                parametrize.register_parametrization(model.layers[2].lin, "weight", Half())
+            elif step == 4:
+                model.layers[0].lin.weight = model.layers[3].lin.weight  # tied after wrapping
+                parametrize.remove_parametrizations(model.layers[2].lin, "weight")
+            elif step == 5:
+                if ours:
+                    pytree_ckpt.remove_activation_checkpointing(model.layers)
+                    pytree_ckpt.checkpoint_layers(model.layers, ratio=0.5,
+                                                  offload=manager or False)
+            elif step == 6:
+                if ours:
+                    pytree_ckpt.checkpoint_layers(model.layers, ratio=1.0,
+                                                  offload=manager or False)
+                model.layers[1].drop.p = 0.5
+                model.layers[2].eval()
+            else:
+                rebuilt = False
+            model.layers[len(model.layers) - 1 - step % len(model.layers)].requires_grad_(True)
+            if rebuilt:
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            torch.manual_seed(step)
+            loss = model(_batch(step))
+            loss.backward()
+            results.append((loss.detach(), _grads(model)))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        return results, _state(model)
+
+    _, model = _against_eager(body, offloaded=offloaded)
+    assert all(pytree_ckpt.is_checkpointed(layer) for layer in model.layers)
