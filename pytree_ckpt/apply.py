@@ -119,8 +119,9 @@ def apply_activation_checkpointing(module: M, /, *, preserve_rng_state: bool = T
         return install_boundary(module, options)
     _refuse_policy(check_fn)
     chosen = _chosen_by(module, check_fn)
-    # Before any changes: refused, none change; removed at once through the module given.
-    refuse_other_options_among(chosen, options, undo="remove_activation_checkpointing(module)")
+    # Before any changes: refused, none change.
+    refuse_other_options_among(chosen, options, undo="[remove_activation_checkpointing(m) for m "
+                               "in module.modules() if check_fn(m)]")
     warn_inside_torch_wrapper(module, chosen)
     for name, layer in chosen:
         install_boundary(layer, options, label=name or None)

@@ -75,8 +75,8 @@ from .keep import IN_REUSE
 from .parameter_hooks import put_first
 from .tree import describe_leaf, dunder, first_difference, flatten, leaf_paths
 
-__all__ = ["GradFlow", "HookedOutputs", "held_tensors", "hooked_modules", "is_library_hook",
-           "keeps_output_as_is", "recording", "remove_recorder"]
+__all__ = ["GradFlow", "HookedOutputs", "has_user_forward_hooks", "held_tensors", "hooked_modules",
+           "is_library_hook", "keeps_output_as_is", "recording", "remove_recorder"]
 
 # .passes: this thread's recording passes, innermost last (a module output goes to each of
 # them). Not a ContextVar: NOTE [the recorder is traceable].
@@ -347,7 +347,8 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
             # NOTE [a recorder stays]: once the user's hooks are gone, the recorder is left
             # where it is, as a call still waiting for its backward may need it in its replay
             # (micro-batches; an outer replay, above); remove_activation_checkpointing takes it
-            # off.
+            # off once the user's hooks are gone (it leaves it beside them: a removal between
+            # a forward and its backward was refused in the replay, helper QW).
             if enclosing and _record_output in hooks.values():
                 found.append(-1)
             continue
@@ -361,6 +362,11 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
                     key = module.register_forward_hook(_record_output, with_kwargs=True).id
                     put_first(hooks, key, _record_output)
     return tuple(found)
+
+
+def has_user_forward_hooks(module: nn.Module, /) -> bool:
+    """Whether ``module`` has forward hooks of the user's (not the recorder's or torch's)."""
+    return any(not is_library_hook(hook) for hook in module._forward_hooks.values())
 
 
 def remove_recorder(module: nn.Module, /) -> None:

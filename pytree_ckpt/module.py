@@ -43,7 +43,7 @@ from .compiled_layers import (check_compiled_wrapper, compiled_over, warn_compil
                               warn_module_compiled)
 from .eager import BOUNDARY_REASON, in_compiled_module_call, runs_eagerly
 from .errors import CheckpointConfigError, CheckpointError
-from .hook_outputs import remove_recorder
+from .hook_outputs import has_user_forward_hooks, remove_recorder
 from .kept_owners import keeping_boundary_made, kept_elsewhere, kept_wrappers
 from .module_state import drop_caches
 from .refusals import refuse_container, require_module
@@ -319,7 +319,7 @@ def refuse_other_options(module: nn.Module, options: BoundaryOptions, /) -> bool
     """Whether ``module`` already has a boundary with ``options``; raises if it has one with
     other options (``refuse_other_options_among``, for the module alone)."""
     refuse_other_options_among([("", module)], options,
-                               undo="remove_activation_checkpointing(module)")
+                               undo="remove_activation_checkpointing(module)")  # its own
     return _installed(module) is not None
 
 
@@ -341,14 +341,18 @@ def refuse_other_options_among(layers: Sequence[tuple[str, nn.Module]],
     if not differing:
         return
     refs = [ref for ref, _, _ in differing]
-    installed = differing[0][2]
     fields = [field.name for field in dataclasses.fields(BoundaryOptions)
               if any(getattr(i.options, field.name) != getattr(options, field.name)
                      for _, _, i in differing)]
+    # Each layer's own where they differ among themselves (helper QW: the first one's were
+    # shown for every layer).
+    described = [_describe_options(i.options, fields) for _, _, i in differing]
+    as_installed = described[0] if len(set(described)) == 1 else "; ".join(
+        f"{ref}: {text}" for ref, text in zip(refs[:3], described))
     shown = ", ".join(f"{ref} ({type(layer).__name__})" if ref else type(layer).__name__
                       for ref, layer, _ in differing[:3]) + (
         f" and {len(differing) - 3} more" if len(differing) > 3 else "")
-    # A check_fn's choices are named by path, no expression: the module given undoes them all.
+    # A check_fn's choices are named by path, no expression: ``undo`` removes them all.
     each = undo if undo is not None else (
         ", ".join(f"remove_activation_checkpointing({ref})" for ref in refs) if len(refs) <= 3
         else "remove_activation_checkpointing(layer) for each layer given")
@@ -357,10 +361,9 @@ def refuse_other_options_among(layers: Sequence[tuple[str, nn.Module]],
     raise CheckpointConfigError(
         f"{shown} {'are' if len(differing) > 1 else 'is'} already checkpointed with other "
         f"options: {', '.join(fields)} {'differ' if len(fields) > 1 else 'differs'}",
-        expected="as installed: " + _describe_options(installed.options, fields),
+        expected="as installed: " + as_installed,
         got="as requested now: " + _describe_options(options, fields),
-        tip=f"call {each} first{' (it undoes every checkpointed module inside it)' if undo else ''}"
-            f", then apply again{env}"
+        tip=f"call {each} first, then apply again{env}"
             + ("; or wrap the layers once, with every option in one call: "
                "apply_recompute_config(layers, config, targets, offload=...)"
                if "keep" in fields else ""))
@@ -431,7 +434,10 @@ def remove_activation_checkpointing(module: M, /) -> M:
 
 
 def _undo_left(module: nn.Module, /) -> None:
-    """What boundaries put on ``module``'s tree, less what is behind another boundary."""
+    """What boundaries put on ``module``'s tree, less what is behind another boundary. A
+    module with forward hooks of the user's keeps its recorder (NOTE [a recorder stays] in
+    hook_outputs.py): a call waiting for its backward replays them (helper QW: a removal
+    between a forward and its backward took it, and the pending replay was refused)."""
     # Methods its save units wrapped (KeptCallables), in submodules behind a boundary of their
     # own too: its units keep those as well (in its replay, their original pass is taken from
     # its records). NOTE [kept methods of shared submodules] in kept_owners.py: not those
@@ -448,7 +454,8 @@ def _undo_left(module: nn.Module, /) -> None:
             else:
                 sub.__dict__[name] = kept.inner
     for sub in _own_submodules(module):
-        remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
+        if not has_user_forward_hooks(sub):
+            remove_recorder(sub)  # NOTE [a recorder stays] in hook_outputs.py
         # What the boundary noted on the modules (caches, warnings given, state seen changing):
         # relearned at the first calls of a boundary applied again, and, left, a pickle of the
         # unwrapped model would still name pytree_ckpt's classes (a warning's Told marker).

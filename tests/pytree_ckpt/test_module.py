@@ -1909,3 +1909,223 @@ def test_moduledict_values_after_a_key_is_deleted_are_named_by_the_remaining_key
                        match=r"remove_activation_checkpointing\(layers\['b'\]\)"):
         pytree_ckpt.apply_recompute_config(layers.values(), pytree_ckpt.RecomputeConfig(1.0), {},
                                            verify_replay=True)
+
+
+# Helper QW: remove_activation_checkpointing on a model between a call's forward and its
+# backward; the combined refusal's tips followed literally.
+
+
+class _QwSub(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _QwFunctional(nn.Module):
+    """Not checkpointed itself: its forward checkpoints ``sub`` with the functional call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = _QwSub()
+        self.proj = nn.Linear(6, 6)
+        self.eager = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.sub(x) if self.eager else pytree_ckpt.checkpoint(self.sub, x)
+        return x + h + self.proj(x)
+
+
+def _qw_grads_with_hook(remove_between: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _QwFunctional()
+    twin = copy.deepcopy(model)
+    twin.eager = True
+    x = torch.randn(4, 6)
+    for net in (model, twin):
+        kept: list[torch.Tensor] = []
+        net.sub.lin.register_forward_hook(lambda _m, _i, out, kept=kept: kept.append(out))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = net(x)
+        if remove_between and net is model:
+            remove_activation_checkpointing(model)  # a no-op on its numbers: nothing wrapped
+        (y.pow(2).sum() + sum(o.pow(2).sum() for o in kept)).backward()
+    return [p.grad for p in model.parameters()], [p.grad for p in twin.parameters()]
+
+
+def test_a_model_with_a_functional_checkpoint_and_a_hook_inside_gives_eager_grads() -> None:
+    got, want = _qw_grads_with_hook(remove_between=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # beside the point
+def test_removing_checkpointing_from_an_unwrapped_model_mid_step_keeps_a_functional_checkpoints_hooks(
+) -> None:
+    got, want = _qw_grads_with_hook(remove_between=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+class _QwLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.inner(x)))
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # beside the point
+def test_removing_a_layer_with_a_hooked_submodule_between_forward_and_backward_gives_eager_grads(
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_QwLayer(), _QwLayer())
+    twin = copy.deepcopy(model)
+    for layer in model:
+        apply_activation_checkpointing(layer)
+    x = torch.randn(4, 6)
+    losses = []
+    for net in (model, twin):
+        kept: list[torch.Tensor] = []
+        net[0].inner.register_forward_hook(lambda _m, _i, out, kept=kept: kept.append(out))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = net(x)
+        if net is model:
+            remove_activation_checkpointing(model[0])   # checkpointing off mid-accumulation
+        losses.append(y.pow(2).sum() + sum(o.pow(2).sum() for o in kept))
+    losses[1].backward()
+    losses[0].backward()
+    assert_same_grads([p.grad for p in twin.parameters()], [p.grad for p in model.parameters()])
+
+
+class _QwBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class _QwStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_QwBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_following_the_check_fn_refusals_tip_on_a_checkpointed_model_then_applying_succeeds(
+) -> None:
+    torch.manual_seed(0)
+    model = _QwStack()
+    twin = copy.deepcopy(model)
+    for layer in model.layers:
+        apply_activation_checkpointing(layer)
+    apply_activation_checkpointing(model)             # nested: the whole model too
+
+    def check_fn(module: nn.Module) -> bool:
+        return isinstance(module, _QwBlock)
+
+    tip = "[remove_activation_checkpointing(m) for m in module.modules() if check_fn(m)]"
+    with pytest.raises(CheckpointConfigError) as err:
+        apply_activation_checkpointing(model, check_fn=check_fn, verify_replay=True)
+    assert tip in str(err.value)
+    [remove_activation_checkpointing(m) for m in model.modules() if check_fn(m)]  # the tip
+    apply_activation_checkpointing(model, check_fn=check_fn, verify_replay=True)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    twin(x).sum().backward()
+    assert_same_grads([p.grad for p in twin.parameters()], [p.grad for p in model.parameters()])
+
+
+@pytest.mark.parametrize("count", [3, 5])
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_following_the_combined_refusals_tip_literally_then_applying_gives_eager_grads(
+        count: int, as_dict: bool) -> None:
+    torch.manual_seed(0)
+    blocks = [_QwBlock() for _ in range(count)]
+    layers: Any = (nn.ModuleDict({f"k{i}": b for i, b in enumerate(blocks)}) if as_dict
+                   else nn.ModuleList(blocks))
+    twin = [copy.deepcopy(b) for b in blocks]
+    given = (lambda: layers.values()) if as_dict else (lambda: layers)
+    checkpoint_layers(given())
+    with pytest.raises(CheckpointConfigError) as err:
+        checkpoint_layers(given(), verify_replay=True)
+    tip = str(err.value).split("tip: call ")[1].split(" first")[0]
+    if count > 3:
+        assert tip == "remove_activation_checkpointing(layer) for each layer given"
+        for layer in given():
+            remove_activation_checkpointing(layer)
+    else:
+        exec(tip.replace("), ", ")\n"),  # noqa: S102 - the tip's own code, literally
+             {"remove_activation_checkpointing": remove_activation_checkpointing, "layers": layers})
+    checkpoint_layers(given(), verify_replay=True)
+    assert all(b.forward.options.verify_replay for b in blocks)
+    x = torch.randn(3, 4)
+    h, e = x, x
+    for b, t in zip(blocks, twin):
+        h, e = b(h), t(e)
+    h.sum().backward()
+    e.sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for b, t in zip(blocks, twin)
+               for p, q in zip(b.parameters(), t.parameters()))
+
+
+def _qw_remove_inner_of_a_checkpointed_layer(mid_step: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_QwLayer(), _QwLayer())
+    twin = copy.deepcopy(model)
+    for layer in model:
+        apply_activation_checkpointing(layer)
+    kept: dict[int, list[torch.Tensor]] = {id(model): [], id(twin): []}
+    for net in (model, twin):
+        net[0].inner.register_forward_hook(lambda _m, _i, out, k=kept[id(net)]: k.append(out))
+    for step in range(2):
+        x = torch.randn(4, 6)
+        losses = []
+        for net in (model, twin):
+            kept[id(net)].clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                y = net(x)
+            if net is model and step == 0 and mid_step:
+                remove_activation_checkpointing(model[0].inner)  # not checkpointed: layer stays
+            losses.append(y.pow(2).sum() + sum(o.pow(2).sum() for o in kept[id(net)]))
+        losses[1].backward()
+        losses[0].backward()
+        if step == 0 and not mid_step:
+            remove_activation_checkpointing(model[0].inner)
+        assert is_checkpointed(model[0])
+        assert_same_grads([p.grad for p in twin.parameters()], [p.grad for p in model.parameters()])
+        for p in (*model.parameters(), *twin.parameters()):
+            p.grad = None
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # beside the point
+def test_removing_from_an_unwrapped_submodule_of_a_checkpointed_layer_between_steps_gives_eager_grads(
+) -> None:
+    _qw_remove_inner_of_a_checkpointed_layer(mid_step=False)
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # beside the point
+def test_removing_from_an_unwrapped_submodule_of_a_checkpointed_layer_mid_step_gives_eager_grads(
+) -> None:
+    _qw_remove_inner_of_a_checkpointed_layer(mid_step=True)
+
+
+def test_the_combined_refusal_states_each_differing_layers_installed_options() -> None:
+    layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    apply_activation_checkpointing(layers[0], verify_replay=True)
+    apply_activation_checkpointing(layers[1], preserve_rng_state=False)
+    with pytest.raises(CheckpointConfigError, match="preserve_rng_state, verify_replay differ") as err:
+        checkpoint_layers(layers)
+    installed = next(line for line in str(err.value).splitlines() if "as installed" in line)
+    assert "preserve_rng_state=False" in installed    # what layers[1] holds
