@@ -51,8 +51,10 @@ and discarding is a no-op: nothing was saved; the boundary's replay discards for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -258,9 +260,16 @@ class CheckpointWithoutOutput:
                     tip="pass it positionally (a lambda or a method can reorder arguments: "
                         "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
         for i, arg in enumerate(args):
-            if not isinstance(arg, (list, tuple, dict)):
+            # A dataclass and a SimpleNamespace too (helper QY: their tensors were passed as
+            # they are, and one with a graph used outside failed in backward).
+            if isinstance(arg, types.SimpleNamespace):
+                held: Any = vars(arg)
+            elif isinstance(arg, (list, tuple, dict)) or \
+                    dataclasses.is_dataclass(arg) and not isinstance(arg, type):
+                held = arg
+            else:
                 continue
-            flat = flatten(arg, root=f"args[{i}]")
+            flat = flatten(held, root=f"args[{i}]")
             refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
             if any(isinstance(x, torch.Tensor) for x in flat.leaves):
                 # A function taking them one by one: torch.cat itself takes no tensors so

@@ -361,12 +361,23 @@ def hooked_modules(dicts: Iterable[dict[str, Any]], roots: Sequence[nn.Module],
                     # on torch 2.11.
                     key = module.register_forward_hook(_record_output, with_kwargs=True).id
                     put_first(hooks, key, _record_output)
+        elif next(iter(hooks.values())) is not _record_output:
+            # A recorder left beside the user's hooks by a removal (NOTE [a recorder stays]),
+            # then a hook registered with prepend=True before a re-apply: first again, or it
+            # recorded what that hook rewrote or kept (helper QX: silent, other gradients).
+            with _INSTALLING:
+                held = next((k for k, h in hooks.items() if h is _record_output), None)
+                if held is not None:
+                    put_first(hooks, held, _record_output)
     return tuple(found)
 
 
 def has_user_forward_hooks(module: nn.Module, /) -> bool:
-    """Whether ``module`` has forward hooks of the user's (not the recorder's or torch's)."""
-    return any(not is_library_hook(hook) for hook in module._forward_hooks.values())
+    """Whether ``module`` has forward hooks or pre-hooks of the user's (not the recorder's or
+    torch's): either installs the recorder (helper QX: a pre-hook alone was missed)."""
+    return any(not is_library_hook(hook) for table in (module._forward_pre_hooks,
+                                                       module._forward_hooks)
+               for hook in table.values())
 
 
 def remove_recorder(module: nn.Module, /) -> None:

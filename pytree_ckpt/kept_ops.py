@@ -61,6 +61,8 @@ class KeptOps(RecomputeTarget):
                     "flex_attention, which may run in no layer that keeps units (torch 2.13 "
                     "compiles its call, and dynamo compiles nothing under that mode): "
                     "recompute its layers in full" if higher_order else
+                    "unpack a list of ops (torch's selective checkpointing list): "
+                    "KeptOps(*ops)" if isinstance(bad, (list, tuple)) else
                     "op identity is the namespace and the op's name")
         self.op_names = tuple(names)
 

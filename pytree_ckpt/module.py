@@ -344,11 +344,14 @@ def refuse_other_options_among(layers: Sequence[tuple[str, nn.Module]],
     fields = [field.name for field in dataclasses.fields(BoundaryOptions)
               if any(getattr(i.options, field.name) != getattr(options, field.name)
                      for _, _, i in differing)]
-    # Each layer's own where they differ among themselves (helper QW: the first one's were
-    # shown for every layer).
-    described = [_describe_options(i.options, fields) for _, _, i in differing]
-    as_installed = described[0] if len(set(described)) == 1 else "; ".join(
-        f"{ref}: {text}" for ref, text in zip(refs[:3], described))
+    # Each layer's own where they differ among themselves (helpers QW, QX: the first one's,
+    # then the first three's, were shown).
+    groups: dict[str, list[str]] = {}  # each set of values shown, with the layers holding it
+    for ref, _, i in differing:
+        groups.setdefault(_describe_options(i.options, fields), []).append(ref)
+    as_installed = next(iter(groups)) if len(groups) == 1 else "; ".join(
+        f"{', '.join(held[:3])}{f' and {len(held) - 3} more' if len(held) > 3 else ''}: {text}"
+        for text, held in groups.items())
     shown = ", ".join(f"{ref} ({type(layer).__name__})" if ref else type(layer).__name__
                       for ref, layer, _ in differing[:3]) + (
         f" and {len(differing) - 3} more" if len(differing) > 3 else "")

@@ -2129,3 +2129,238 @@ def test_the_combined_refusal_states_each_differing_layers_installed_options() -
         checkpoint_layers(layers)
     installed = next(line for line in str(err.value).splitlines() if "as installed" in line)
     assert "preserve_rng_state=False" in installed    # what layers[1] holds
+
+
+# Helper QX: regressions of 6127bf8 (the recorder left beside a user's forward hook on removal).
+
+
+class _QxLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.inner(x)))
+
+
+class _QxKeep:
+    """A picklable forward hook keeping the outputs it receives (not pickled with them)."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.kept.append(output)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.kept = []
+
+
+def _qx_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_QxLayer(), _QxLayer())
+
+
+def _qx_steps(model: nn.Module, keep: _QxKeep, x: torch.Tensor, steps: int = 3) -> list[Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        keep.kept.clear()
+        opt.zero_grad()
+        loss = model(x).pow(2).sum() + sum(k.pow(2).sum() for k in keep.kept)
+        loss.backward()
+        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+    return out
+
+
+def _qx_same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(la, lb) and all(torch.equal(g, h) for g, h in zip(ga, gb))
+        for (la, ga), (lb, gb) in zip(a, b))
+
+
+def _qx_has_recorder(module: nn.Module) -> bool:
+    from pytree_ckpt.hook_outputs import _record_output
+    return any(hook is _record_output for hook in module._forward_hooks.values())
+
+
+def test_a_model_unwrapped_beside_a_users_hook_trains_pickles_and_unhooks_as_eager() -> None:
+    x = torch.randn(3, 4)
+    eager, keep_e = _qx_model(), _QxKeep()
+    eager[0].inner.register_forward_hook(keep_e)
+    model, keep = _qx_model(), _QxKeep()
+    handle = model[0].inner.register_forward_hook(keep)
+    for layer in model:
+        apply_activation_checkpointing(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x).sum().backward()
+    model.zero_grad()
+    remove_activation_checkpointing(model)
+    assert _qx_has_recorder(model[0].inner)  # documented: it stays beside the user's hook
+    with torch.no_grad():
+        assert torch.equal(model(x), eager(x)) and torch.equal(keep.kept[-1], keep_e.kept[-1])
+    copied = copy.deepcopy(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    keep_l = next(h for h in loaded[0].inner._forward_hooks.values() if isinstance(h, _QxKeep))
+    keep_c = next(h for h in copied[0].inner._forward_hooks.values() if isinstance(h, _QxKeep))
+    want = _qx_steps(eager, keep_e, x)
+    eager2, keep_e2 = _qx_model(), _QxKeep()
+    eager2[0].inner.register_forward_hook(keep_e2)
+    want2 = _qx_steps(eager2, keep_e2, x)
+    assert _qx_same(want, _qx_steps(model, keep, x))
+    assert _qx_same(want2, _qx_steps(loaded, keep_l, x))
+    assert _qx_same(want2, _qx_steps(copied, keep_c, x))
+    handle.remove()
+    remove_activation_checkpointing(model)  # once the hook is gone, removal takes the recorder
+    assert not _qx_has_recorder(model[0].inner)
+    assert b"_record_output" not in pickle.dumps(model)
+
+
+def test_a_model_unwrapped_beside_a_users_hook_compiles_fullgraph_as_eager() -> None:
+    x = torch.randn(3, 4)
+    model, keep = _qx_model(), _QxKeep()
+    model[0].inner.register_forward_hook(keep)
+    for layer in model:
+        apply_activation_checkpointing(layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(x).sum().backward()
+    model.zero_grad()
+    remove_activation_checkpointing(model)
+    eager, keep_e = _qx_model(), _QxKeep()
+    eager[0].inner.register_forward_hook(keep_e)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (compiled(x).pow(2).sum() + keep.kept[-1].pow(2).sum()).backward()
+    assert not [w for w in caught if "pytree_ckpt" in str(w.message)]
+    (eager(x).pow(2).sum() + keep_e.kept[-1].pow(2).sum()).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_a_reapply_after_removal_beside_a_users_hook_installs_one_recorder_and_gives_eager_grads(
+        ) -> None:
+    x = torch.randn(3, 4)
+    model, keep = _qx_model(), _QxKeep()
+    model[0].inner.register_forward_hook(keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for layer in model:
+            apply_activation_checkpointing(layer)
+        model(x).sum().backward()
+        model.zero_grad()
+        remove_activation_checkpointing(model)
+        for layer in model:
+            apply_activation_checkpointing(layer)
+        eager, keep_e = _qx_model(), _QxKeep()
+        eager[0].inner.register_forward_hook(keep_e)
+        assert _qx_same(_qx_steps(eager, keep_e, x), _qx_steps(model, keep, x))
+    from pytree_ckpt.hook_outputs import _record_output
+    assert sum(h is _record_output for h in model[0].inner._forward_hooks.values()) == 1
+
+
+@pytest.mark.filterwarnings("ignore:pytree_ckpt. forward hooks inside")  # beside the point
+def test_removing_a_layer_whose_submodule_has_a_users_pre_hook_mid_step_gives_eager_grads(
+        ) -> None:
+    x = torch.randn(3, 4)
+
+    def double(module: nn.Module, args: Any) -> Any:
+        return (args[0] * 2,)
+
+    eager = _qx_model()
+    eager[0].inner.register_forward_pre_hook(double)
+    eager(x).pow(2).sum().backward()
+    model = _qx_model()
+    model[0].inner.register_forward_pre_hook(double)
+    for layer in model:
+        apply_activation_checkpointing(layer)
+    y = model(x)
+    remove_activation_checkpointing(model)  # checkpointing off between forward and backward
+    y.pow(2).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_a_prepended_hook_added_after_removal_then_reapplied_gives_eager_grads() -> None:
+    x = torch.randn(3, 4)
+
+    def reads(module: nn.Module, args: Any, output: Any) -> None:
+        pass
+
+    def stash(module: nn.Module, args: Any, output: Any) -> None:
+        module.last = output
+
+    def loss_of(model: nn.Module) -> torch.Tensor:
+        return model(x).pow(2).sum() + model[0].inner.last.pow(2).sum()
+
+    eager = _qx_model()
+    eager[0].inner.register_forward_hook(reads)
+    eager[0].inner.register_forward_hook(stash, prepend=True)
+    loss_of(eager).backward()
+    model = _qx_model()
+    model[0].inner.register_forward_hook(reads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for layer in model:
+            apply_activation_checkpointing(layer)
+        model(x).sum().backward()
+        model.zero_grad()
+        remove_activation_checkpointing(model)  # the recorder stays beside `reads`
+        model[0].inner.register_forward_hook(stash, prepend=True)
+        for layer in model:
+            apply_activation_checkpointing(layer)
+        loss_of(model).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
+def test_the_combined_refusal_shows_the_installed_value_of_each_differing_field() -> None:
+    layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+    for layer in layers[:3]:
+        apply_activation_checkpointing(layer, verify_replay=True)
+    apply_activation_checkpointing(layers[3], preserve_rng_state=False)
+    with pytest.raises(CheckpointConfigError) as info:
+        checkpoint_layers(layers)
+    assert "preserve_rng_state=False" in str(info.value)
+
+
+def test_prepended_keeping_and_rewriting_hooks_added_after_removal_then_reapplied_give_eager_grads(
+        ) -> None:
+    x = torch.randn(3, 4)
+    kept: list[torch.Tensor] = []
+
+    def reads(module: nn.Module, args: Any, output: Any) -> None:
+        pass
+
+    def triple(module: nn.Module, args: Any, output: Any) -> Any:
+        return output * 3
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        kept.append(output)
+
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        model = _qx_model()
+        model[0].inner.register_forward_hook(reads)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if checkpointed:
+                for layer in model:
+                    apply_activation_checkpointing(layer)
+                model(x).sum().backward()
+                model.zero_grad()
+                remove_activation_checkpointing(model)
+            model[0].inner.register_forward_hook(triple, prepend=True)
+            model[0].inner.register_forward_hook(keep, prepend=True)
+            if checkpointed:
+                for layer in model:
+                    apply_activation_checkpointing(layer)
+            kept.clear()
+            (model(x).pow(2).sum() + sum(k.pow(2).sum() for k in kept)).backward()
+        return [p.grad for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True)))
