@@ -393,7 +393,8 @@ def remove_activation_checkpointing(module: M, /) -> M:
 
     On a module that is not checkpointed itself (the model or list given to
     ``checkpoint_layers``, ``apply_recompute_config`` or a ``check_fn``), it is undone on every
-    checkpointed module inside it. A no-op where there is none (and on a module whose
+    checkpointed module inside it, and what boundaries left on the rest of its tree is taken
+    off (a submodule swapped out of a checkpointed layer). A no-op where there is none (and on a module whose
     ``forward`` was assigned over the boundary since: that forward stays, while the checkpointed
     modules inside it are undone; a ``torch.compile`` wrapper of the boundary goes with
     it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by its save
