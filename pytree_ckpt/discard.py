@@ -269,7 +269,14 @@ class CheckpointWithoutOutput:
                 held = arg
             else:
                 continue
-            flat = flatten(held, root=f"args[{i}]")
+            try:
+                flat = flatten(held, root=f"args[{i}]")
+            except CheckpointError:
+                # A dataclass or namespace the tree cannot walk (a node holding its parent: a
+                # cycle) is passed as it is, as before it was looked into (helper QZ).
+                if isinstance(arg, (list, tuple, dict)):
+                    raise
+                continue
             refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
             if any(isinstance(x, torch.Tensor) for x in flat.leaves):
                 # A function taking them one by one: torch.cat itself takes no tensors so

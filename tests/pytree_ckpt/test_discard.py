@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import types
 import gc
 import functools
 import weakref
@@ -2886,3 +2888,70 @@ def test_a_list_given_to_torch_cat_works_through_a_function_taking_the_tensors()
     assert out.untyped_storage().nbytes() == 0  # freed
     y.sum().backward()
     assert all(torch.equal(g, e) for g, e in zip((a.grad, b.grad, proj.weight.grad), eager))
+
+
+# Helper QZ: regressions of 1c5df22 (an output discard refuses tensors in a dataclass or a
+# SimpleNamespace argument).
+
+
+@dataclasses.dataclass(eq=False)
+class _QzNode:
+    """A config tree node with a back-reference to its parent: no tensors."""
+    scale: float
+    parent: _QzNode | None = None
+    children: list[_QzNode] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _QzCfg:
+    scale: float
+    name: str = "cfg"
+
+
+@dataclasses.dataclass(frozen=True)
+class _QzFrozen:
+    scale: float
+
+
+def _qz_discard_grads(arg: Any, discard: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    proj = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def scaled(t: torch.Tensor, cfg: Any) -> torch.Tensor:
+        return torch.tanh(t * cfg.scale)
+
+    h = x * 2
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        out = ckpt.checkpoint(scaled, h, arg)
+        y = proj(out)
+        ckpt.discard_output_and_register_recompute(y)
+    else:
+        y = proj(scaled(h, arg))
+    y.pow(2).sum().backward()
+    return [x.grad, proj.weight.grad, proj.bias.grad]
+
+
+@pytest.mark.parametrize("arg", [_QzCfg(2.0), _QzFrozen(2.0), types.SimpleNamespace(scale=2.0)],
+                         ids=["dataclass", "frozen dataclass", "SimpleNamespace"])
+def test_an_output_discard_given_a_tensor_free_dataclass_or_namespace_gives_eager_grads(
+        arg: Any) -> None:
+    eager = _qz_discard_grads(arg, discard=False)
+    assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(arg, discard=True), eager))
+
+
+def test_an_output_discard_given_a_dataclass_class_object_gives_eager_grads() -> None:
+    arg = type("Cfg", (), {"scale": 2.0})
+    arg = dataclasses.dataclass(arg)  # the class itself, not an instance
+    eager = _qz_discard_grads(arg, discard=False)
+    assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(arg, discard=True), eager))
+
+
+def test_an_output_discard_given_a_tensor_free_dataclass_node_with_a_parent_gives_eager_grads(
+        ) -> None:
+    root = _QzNode(2.0)
+    child = _QzNode(2.0, parent=root)
+    root.children.append(child)
+    eager = _qz_discard_grads(child, discard=False)
+    assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(child, discard=True), eager))
