@@ -394,12 +394,12 @@ def remove_activation_checkpointing(module: M, /) -> M:
     On a module that is not checkpointed itself (the model or list given to
     ``checkpoint_layers``, ``apply_recompute_config`` or a ``check_fn``), it is undone on every
     checkpointed module inside it, and what boundaries left on the rest of its tree is taken
-    off (a submodule swapped out of a checkpointed layer). A no-op where there is none (and on a module whose
-    ``forward`` was assigned over the boundary since: that forward stays, while the checkpointed
-    modules inside it are undone; a ``torch.compile`` wrapper of the boundary goes with
-    it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by its save
-    units are restored too, but for those another layer still checkpointed keeps (NOTE [kept
-    methods of shared submodules] in kept_owners.py).
+    off (a submodule swapped out of a checkpointed layer). A no-op where there is none (and on
+    a module whose ``forward`` was assigned over the boundary since: that forward stays, while
+    the checkpointed modules inside it are undone; a ``torch.compile`` wrapper of the boundary
+    goes with it, NOTE [compiled over the boundary] in compiled_layers.py); methods wrapped by
+    its save units are restored too, but for those another layer still checkpointed keeps
+    (NOTE [kept methods of shared submodules] in kept_owners.py).
     """
     require_module(module, "remove_activation_checkpointing", "pass the module itself; for a "
                    "list, for layer in model.layers: remove_activation_checkpointing(layer)")
