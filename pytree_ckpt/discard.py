@@ -58,7 +58,7 @@ import types
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -157,6 +157,43 @@ def _refuse_compiled_autograd(name: str, error: RuntimeError, /) -> None:
         got="a backward under torch._dynamo.compiled_autograd",
         tip="run the discard inside a checkpointed layer (apply_activation_checkpointing: its "
             "replay rebuilds eagerly), or this backward without compiled autograd") from error
+
+
+def _tensor_inside(value: object, /) -> bool:
+    """Whether a tensor is reachable in ``value`` through containers, dataclass fields and
+    object attributes (a namespace's, a dataclass's own), each object looked at once: a node
+    holding its parent, or itself, ends (helper RA: the tree's walk raised RecursionError)."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack and len(seen) < 100_000:  # bounded: a walk at each call
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            return True
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, types.SimpleNamespace) or \
+                dataclasses.is_dataclass(item) and not isinstance(item, type):
+            held = dunder(item, "__dict__")
+            stack.extend(held.values() if isinstance(held, dict) else
+                         (dunder(item, f.name) for f in dataclasses.fields(item)))
+    return False
+
+
+def _refuse_container_argument(fn: Callable[..., Any], i: int, arg: object, /) -> NoReturn:
+    # A function taking them one by one: torch.cat itself takes no tensors so (helper QV: the
+    # tip read as ckpt.checkpoint(torch.cat, a, b) failed).
+    raise CheckpointConfigError(
+        "CheckpointWithoutOutput takes tensors as plain arguments; "
+        f"{callable_name(fn)} got a container of tensors at args[{i}]",
+        expected="fn(tensor, ..., other_values)", got=f"args[{i}]: {type(arg).__name__}",
+        tip="pass the tensors as separate arguments of a function that takes them one by one "
+            "(ckpt.checkpoint(lambda a, b: torch.cat([a, b], -1), a, b)), or use "
+            "pytree_ckpt.checkpoint for structured inputs")
 
 
 class CheckpointWithoutOutput:
@@ -260,35 +297,25 @@ class CheckpointWithoutOutput:
                     tip="pass it positionally (a lambda or a method can reorder arguments: "
                         "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
         for i, arg in enumerate(args):
-            # A dataclass and a SimpleNamespace too (helper QY: their tensors were passed as
-            # they are, and one with a graph used outside failed in backward).
-            if isinstance(arg, types.SimpleNamespace):
-                held: Any = vars(arg)
-            elif isinstance(arg, (list, tuple, dict)) or \
-                    dataclasses.is_dataclass(arg) and not isinstance(arg, type):
-                held = arg
-            else:
-                continue
-            try:
-                flat = flatten(held, root=f"args[{i}]")
-            except CheckpointError:
-                # A dataclass or namespace the tree cannot walk (a node holding its parent: a
-                # cycle) is passed as it is, as before it was looked into (helper QZ).
-                if isinstance(arg, (list, tuple, dict)):
-                    raise
-                continue
-            refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
-            if any(isinstance(x, torch.Tensor) for x in flat.leaves):
-                # A function taking them one by one: torch.cat itself takes no tensors so
-                # (helper QV: the tip read as ckpt.checkpoint(torch.cat, a, b) failed).
-                raise CheckpointConfigError(
-                    "CheckpointWithoutOutput takes tensors as plain arguments; "
-                    f"{callable_name(fn)} got a container of tensors at args[{i}]",
-                    expected="fn(tensor, ..., other_values)",
-                    got=f"args[{i}]: {type(arg).__name__}",
-                    tip="pass the tensors as separate arguments of a function that takes them "
-                        "one by one (ckpt.checkpoint(lambda a, b: torch.cat([a, b], -1), a, "
-                        "b)), or use pytree_ckpt.checkpoint for structured inputs")
+            if isinstance(arg, (list, tuple, dict)):
+                flat = flatten(arg, root=f"args[{i}]")
+                refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
+                if any(isinstance(x, torch.Tensor) for x in flat.leaves):
+                    _refuse_container_argument(fn, i, arg)
+            elif (isinstance(arg, types.SimpleNamespace) or dataclasses.is_dataclass(arg)
+                    and not isinstance(arg, type)) and _tensor_inside(arg):
+                # A dataclass and a SimpleNamespace too (helper QY: their tensors were passed
+                # as they are, and one with a graph used outside failed in backward), walked
+                # each object once (helpers QZ, RA: a node holding its parent); a proxy there
+                # is told as in a list where the tree can walk it.
+                try:
+                    flat = flatten(arg if dataclasses.is_dataclass(arg) else vars(arg),
+                                   root=f"args[{i}]")
+                except (CheckpointError, RecursionError):
+                    pass
+                else:
+                    refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
+                _refuse_container_argument(fn, i, arg)
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs

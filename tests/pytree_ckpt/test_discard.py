@@ -2955,3 +2955,102 @@ def test_an_output_discard_given_a_tensor_free_dataclass_node_with_a_parent_give
     root.children.append(child)
     eager = _qz_discard_grads(child, discard=False)
     assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(child, discard=True), eager))
+
+
+@dataclasses.dataclass(eq=False)
+class _RaSelfNode:
+    """A tensor-free dataclass whose back-reference is an attribute set in __post_init__ (not
+    a field)."""
+
+    scale: float
+
+    def __post_init__(self) -> None:
+        self.me = self
+
+
+def test_an_output_discard_given_a_tensor_free_dataclass_with_a_post_init_back_reference_gives_eager_grads(
+        ) -> None:
+    arg = _RaSelfNode(2.0)
+    eager = _qz_discard_grads(arg, discard=False)
+    assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(arg, discard=True), eager))
+
+
+@dataclasses.dataclass(eq=False)
+class _RaNode:
+    m: Any
+    parent: Any = None
+    children: list[Any] = dataclasses.field(default_factory=list)
+
+
+def _ra_node_with_parent(m: Any) -> _RaNode:
+    root = _RaNode(m)
+    child = _RaNode(m, parent=root)
+    root.children.append(child)
+    return child
+
+
+def test_an_output_discard_refuses_a_dataclass_holding_a_tensor_and_a_parent_as_the_docs_say(
+        ) -> None:
+    def grads(discard: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(4, requires_grad=True)
+        mask = torch.rand(4)
+        node = _ra_node_with_parent(mask)
+
+        def fn(t: torch.Tensor, n: _RaNode) -> torch.Tensor:
+            return torch.tanh(t + n.m)
+
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            y = ckpt.checkpoint(fn, x * 2, node)  # limits.md: refused, as in a list
+            z = (y * y).sum()
+            ckpt.discard_output_and_register_recompute(z)
+        else:
+            y = fn(x * 2, node)
+            z = (y * y).sum()
+        mask.mul_(0.5)  # changed between the forward and the backward
+        z.backward()
+        assert x.grad is not None
+        return x.grad
+
+    eager = grads(discard=False)
+    with pytest.raises(CheckpointConfigError, match="container of tensors"):
+        lib = grads(discard=True)
+        assert torch.equal(lib, eager)  # (fails too: the replay reads the changed mask)
+
+
+def test_an_output_discard_refuses_at_the_call_a_dataclass_holding_a_graph_tensor_and_a_parent(
+        ) -> None:
+    x = torch.randn(4, requires_grad=True)
+    p = torch.randn(4, requires_grad=True)
+    node = _ra_node_with_parent(p * 3)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError, match="container of tensors"):
+        y = ckpt.checkpoint(lambda t, n: torch.tanh(t * n.m), x * 2, node)
+        z = (y * y).sum()
+        ckpt.discard_output_and_register_recompute(z)
+        z.backward()
+
+
+def test_an_output_discard_refuses_a_weakref_proxy_in_a_dataclass_argument() -> None:
+    w = torch.randn(4)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointError, match="weakref.proxy"):
+        ckpt.checkpoint(lambda t, n: torch.tanh(t * n.m), torch.randn(4), _RaNode(weakref.proxy(w)))
+    assert ckpt.fn is None  # refused: the object stays unused
+
+
+def test_an_output_discard_refuses_a_namespace_holding_itself_and_a_tensor() -> None:
+    ns = types.SimpleNamespace(m=torch.randn(4))
+    ns.me = ns
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError, match="container of tensors"):
+        ckpt.checkpoint(lambda t, n: torch.tanh(t * n.m), torch.randn(4), ns)
+
+
+def test_an_output_discard_given_a_tensor_free_namespace_holding_itself_gives_eager_grads(
+        ) -> None:
+    ns = types.SimpleNamespace(scale=2.0)
+    ns.me = ns
+    eager = _qz_discard_grads(ns, discard=False)
+    assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(ns, discard=True), eager))
