@@ -179,8 +179,8 @@ def _tensor_inside(value: object, /) -> bool:
         elif isinstance(item, types.SimpleNamespace) or \
                 dataclasses.is_dataclass(item) and not isinstance(item, type):
             held = dunder(item, "__dict__")
-            stack.extend(held.values() if isinstance(held, dict) else
-                         (dunder(item, f.name) for f in dataclasses.fields(item)))
+            stack.extend(held.values() if isinstance(held, dict) else  # else a slots dataclass
+                         (dunder(item, f.name) for f in dataclasses.fields(cast(Any, item))))
     return False
 
 
