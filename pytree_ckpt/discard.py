@@ -159,29 +159,38 @@ def _refuse_compiled_autograd(name: str, error: RuntimeError, /) -> None:
             "replay rebuilds eagerly), or this backward without compiled autograd") from error
 
 
-def _tensor_inside(value: object, /) -> bool:
-    """Whether a tensor is reachable in ``value`` through containers, dataclass fields and
-    object attributes (a namespace's, a dataclass's own), each object looked at once: a node
-    holding its parent, or itself, ends (helper RA: the tree's walk raised RecursionError)."""
+def _tensor_inside(value: object, /) -> str | None:
+    """What of note is reachable in ``value`` through containers, dataclass fields and object
+    attributes (a namespace's, a dataclass's own), each object looked at once, so that a node
+    holding its parent, or itself, ends (helper RA: the tree's walk raised RecursionError):
+    ``"tensor"``, ``"proxy"`` (a weakref.proxy: NOTE [a weakref.proxy leaf]), ``"cut"`` (over
+    100,000 objects, not all looked at: helper RB), or None."""
     seen: set[int] = set()
     stack = [value]
-    while stack and len(seen) < 100_000:  # bounded: a walk at each call
+    while stack:
         item = stack.pop()
+        if is_proxy(item):  # before isinstance, which a proxy answers for what it refers to
+            return "proxy"
         if isinstance(item, torch.Tensor):
-            return True
+            return "tensor"
         if id(item) in seen:
             continue
+        if len(seen) >= 100_000:  # bounded: a walk at each call
+            return "cut"
         seen.add(id(item))
         if isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
-        elif isinstance(item, types.SimpleNamespace) or \
-                dataclasses.is_dataclass(item) and not isinstance(item, type):
+        elif isinstance(item, types.SimpleNamespace):
+            stack.extend(vars(item).values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            # Its fields (slots too: helper RB, a slots dataclass on a plain base) and what
+            # else its __dict__ holds.
             held = dunder(item, "__dict__")
-            stack.extend(held.values() if isinstance(held, dict) else  # else a slots dataclass
-                         (dunder(item, f.name) for f in dataclasses.fields(cast(Any, item))))
-    return False
+            stack.extend(held.values() if isinstance(held, dict) else ())
+            stack.extend(dunder(item, f.name) for f in dataclasses.fields(cast(Any, item)))
+    return None
 
 
 def _refuse_container_argument(fn: Callable[..., Any], i: int, arg: object, /) -> NoReturn:
@@ -303,18 +312,21 @@ class CheckpointWithoutOutput:
                 if any(isinstance(x, torch.Tensor) for x in flat.leaves):
                     _refuse_container_argument(fn, i, arg)
             elif (isinstance(arg, types.SimpleNamespace) or dataclasses.is_dataclass(arg)
-                    and not isinstance(arg, type)) and _tensor_inside(arg):
+                    and not isinstance(arg, type)) and (found := _tensor_inside(arg)):
                 # A dataclass and a SimpleNamespace too (helper QY: their tensors were passed
                 # as they are, and one with a graph used outside failed in backward), walked
                 # each object once (helpers QZ, RA: a node holding its parent); a proxy there
                 # is told as in a list where the tree can walk it.
-                try:
-                    flat = flatten(arg if dataclasses.is_dataclass(arg) else vars(arg),
-                                   root=f"args[{i}]")
-                except (CheckpointError, RecursionError):
-                    pass
-                else:
+                if found != "tensor":  # a proxy told as in a list; a cut walk decided here
+                    try:
+                        flat = flatten(arg if dataclasses.is_dataclass(arg) else vars(arg),
+                                       root=f"args[{i}]")
+                    except (CheckpointError, RecursionError):  # a cycle: refused, unsure
+                        _refuse_container_argument(fn, i, arg)
                     refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
+                    if found == "cut" and not any(isinstance(x, torch.Tensor)
+                                                  for x in flat.leaves):
+                        continue
                 _refuse_container_argument(fn, i, arg)
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn

@@ -3054,3 +3054,109 @@ def test_an_output_discard_given_a_tensor_free_namespace_holding_itself_gives_ea
     ns.me = ns
     eager = _qz_discard_grads(ns, discard=False)
     assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(ns, discard=True), eager))
+
+
+# helper RB: regression review of ae28d2d / 18e694b (_tensor_inside)
+
+class _RBPlainBase:
+    pass
+
+
+@dataclasses.dataclass(slots=True)
+class _RBSlotsOnPlainBase(_RBPlainBase):
+    t: Any
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _RBFrozenSlots:
+    t: Any
+
+
+@dataclasses.dataclass
+class _RBRaisingProperty:
+    scale: Any
+
+    @property
+    def boom(self) -> Any:
+        raise RuntimeError("boom")
+
+
+def _rb_eager_and_discard(make_arg: Callable[[torch.Tensor], Any],
+                          fn: Callable[..., torch.Tensor]) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    p = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    fn(x * 2, make_arg(p)).sum().backward()
+    eager = (x.grad.clone(), None if p.grad is None else p.grad.clone())
+    x.grad = p.grad = None
+    ckpt = CheckpointWithoutOutput()
+    y = ckpt.checkpoint(fn, x * 2, make_arg(p))
+    z = y * 1.0
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    return eager, (x.grad, p.grad)
+
+
+def test_an_output_discard_refuses_a_slots_dataclass_on_a_plain_base_holding_a_tensor() -> None:
+    p = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError, match="container of tensors"):
+        ckpt.checkpoint(lambda a, c: torch.tanh(a * c.t), x * 2, _RBSlotsOnPlainBase(p * 3))
+
+
+def test_an_output_discard_refuses_a_namespace_holding_a_proxy_to_a_module() -> None:
+    lin = nn.Linear(4, 4)
+    x = torch.randn(4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointError, match="weakref.proxy"):
+        ckpt.checkpoint(lambda a, c: torch.tanh(c.m(a)), x * 2,
+                        types.SimpleNamespace(m=weakref.proxy(lin)))
+
+
+def test_an_output_discard_refuses_a_frozen_slots_dataclass_holding_a_tensor() -> None:
+    p = torch.randn(4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError, match="got a container of tensors at args\\[1\\]"):
+        ckpt.checkpoint(lambda a, c: torch.tanh(a * c.t), torch.randn(4, requires_grad=True),
+                        _RBFrozenSlots(p * 3))
+
+
+def test_an_output_discard_given_a_tensor_free_dataclass_with_a_raising_property_gives_eager_grads(
+) -> None:
+    eager, got = _rb_eager_and_discard(lambda p: _RBRaisingProperty(2.0),
+                                       lambda a, c: torch.tanh(a * c.scale))
+    assert torch.equal(eager[0], got[0])
+
+
+def test_an_output_discard_takes_a_big_tensor_free_dataclass_config_and_gives_eager_grads() -> None:
+    @dataclasses.dataclass
+    class Cfg:
+        scale: float = 2.0
+        table: dict = dataclasses.field(
+            default_factory=lambda: {f"k{i}": (i, float(i)) for i in range(500)})
+    eager, got = _rb_eager_and_discard(lambda p: Cfg(), lambda a, c: torch.tanh(a * c.scale))
+    assert torch.equal(eager[0], got[0])
+
+
+@pytest.mark.parametrize("make", [lambda t: [t], lambda t: (t, 1.0), lambda t: {"t": t}],
+                         ids=["list", "tuple", "dict"])
+def test_an_output_discard_refuses_a_plain_container_of_tensors_naming_its_type(make: Any) -> None:
+    arg = make(torch.randn(4, requires_grad=True) * 3)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError) as info:
+        ckpt.checkpoint(lambda a, c: a, torch.randn(4, requires_grad=True), arg)
+    assert "got a container of tensors at args[1]" in str(info.value)
+    assert f"args[1]: {type(arg).__name__}" in str(info.value)
+
+
+def test_an_output_discard_refuses_a_dataclass_holding_a_tensor_beside_a_long_list() -> None:
+    @dataclasses.dataclass
+    class Big:
+        t: Any
+        items: list
+    p = torch.randn(4, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    with pytest.raises(CheckpointConfigError, match="container of tensors"):
+        ckpt.checkpoint(lambda a, c: torch.tanh(a * c.t), torch.randn(4, requires_grad=True),
+                        Big(p * 3, list(range(1000, 101_000))))
