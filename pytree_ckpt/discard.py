@@ -159,38 +159,39 @@ def _refuse_compiled_autograd(name: str, error: RuntimeError, /) -> None:
             "replay rebuilds eagerly), or this backward without compiled autograd") from error
 
 
-def _tensor_inside(value: object, /) -> str | None:
-    """What of note is reachable in ``value`` through containers, dataclass fields and object
-    attributes (a namespace's, a dataclass's own), each object looked at once, so that a node
-    holding its parent, or itself, ends (helper RA: the tree's walk raised RecursionError):
-    ``"tensor"``, ``"proxy"`` (a weakref.proxy: NOTE [a weakref.proxy leaf]), ``"cut"`` (over
-    100,000 objects, not all looked at: helper RB), or None."""
+def _tensor_inside(value: object, root: str, /) -> bool:
+    """Whether a tensor is reachable in ``value`` through containers, dataclass fields and
+    object attributes (a namespace's, a dataclass's own: slots fields too, helper RB), each
+    object looked at once, so that a node holding its parent, or itself, ends (helper RA: the
+    tree's walk raised RecursionError); linear in the objects held, with no cap (helpers RB,
+    RC: a cap read as no tensor, or as one). A weakref.proxy on the way is refused there,
+    named by its path from ``root`` (NOTE [a weakref.proxy leaf])."""
     seen: set[int] = set()
-    stack = [value]
+    stack: list[tuple[object, str]] = [(value, root)]
     while stack:
-        item = stack.pop()
+        item, path = stack.pop()
         if is_proxy(item):  # before isinstance, which a proxy answers for what it refers to
-            return "proxy"
+            raise proxy_refused(item, path)
         if isinstance(item, torch.Tensor):
-            return "tensor"
+            return True
         if id(item) in seen:
             continue
-        if len(seen) >= 100_000:  # bounded: a walk at each call
-            return "cut"
         seen.add(id(item))
-        if isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
+        if isinstance(item, (list, tuple)):
+            stack.extend((v, f"{path}[{k}]") for k, v in enumerate(item))
+        elif isinstance(item, (set, frozenset)):
+            stack.extend((v, f"{path}{{...}}") for v in item)
         elif isinstance(item, dict):
-            stack.extend(item.values())
+            stack.extend((v, f"{path}[{k!r}]") for k, v in item.items())
         elif isinstance(item, types.SimpleNamespace):
-            stack.extend(vars(item).values())
+            stack.extend((v, f"{path}.{k}") for k, v in vars(item).items())
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            # Its fields (slots too: helper RB, a slots dataclass on a plain base) and what
-            # else its __dict__ holds.
             held = dunder(item, "__dict__")
-            stack.extend(held.values() if isinstance(held, dict) else ())
-            stack.extend(dunder(item, f.name) for f in dataclasses.fields(cast(Any, item)))
-    return None
+            stack.extend((v, f"{path}.{k}") for k, v in
+                         (held.items() if isinstance(held, dict) else ()))
+            stack.extend((dunder(item, f.name), f"{path}.{f.name}")
+                         for f in dataclasses.fields(cast(Any, item)))
+    return False
 
 
 def _refuse_container_argument(fn: Callable[..., Any], i: int, arg: object, /) -> NoReturn:
@@ -312,21 +313,9 @@ class CheckpointWithoutOutput:
                 if any(isinstance(x, torch.Tensor) for x in flat.leaves):
                     _refuse_container_argument(fn, i, arg)
             elif (isinstance(arg, types.SimpleNamespace) or dataclasses.is_dataclass(arg)
-                    and not isinstance(arg, type)) and (found := _tensor_inside(arg)):
+                    and not isinstance(arg, type)) and _tensor_inside(arg, f"args[{i}]"):
                 # A dataclass and a SimpleNamespace too (helper QY: their tensors were passed
-                # as they are, and one with a graph used outside failed in backward), walked
-                # each object once (helpers QZ, RA: a node holding its parent); a proxy there
-                # is told as in a list where the tree can walk it.
-                if found != "tensor":  # a proxy told as in a list; a cut walk decided here
-                    try:
-                        flat = flatten(arg if dataclasses.is_dataclass(arg) else vars(arg),
-                                       root=f"args[{i}]")
-                    except (CheckpointError, RecursionError):  # a cycle: refused, unsure
-                        _refuse_container_argument(fn, i, arg)
-                    refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
-                    if found == "cut" and not any(isinstance(x, torch.Tensor)
-                                                  for x in flat.leaves):
-                        continue
+                # as they are, and one with a graph used outside failed in backward).
                 _refuse_container_argument(fn, i, arg)
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn

@@ -3160,3 +3160,53 @@ def test_an_output_discard_refuses_a_dataclass_holding_a_tensor_beside_a_long_li
     with pytest.raises(CheckpointConfigError, match="container of tensors"):
         ckpt.checkpoint(lambda a, c: torch.tanh(a * c.t), torch.randn(4, requires_grad=True),
                         Big(p * 3, list(range(1000, 101_000))))
+
+
+@dataclasses.dataclass
+class _RcHolder:
+    a: Any
+    b: Any = None
+
+
+def test_an_output_discard_refuses_a_proxy_to_a_module_in_a_nested_namespace_with_the_proxy_message(
+        ) -> None:
+    lin = nn.Linear(4, 4)
+    h = torch.randn(3, 4, requires_grad=True) * 2
+    arg = types.SimpleNamespace(n=types.SimpleNamespace(m=weakref.proxy(lin)))
+    with pytest.raises(CheckpointError, match="weakref.proxy"):
+        CheckpointWithoutOutput().checkpoint(lambda t, c: torch.tanh(c.n.m(t)), h, arg)
+
+
+def test_an_output_discard_given_a_dataclass_with_a_namespace_tensor_beside_a_long_list_gives_eager_grads(
+        ) -> None:
+    def grads(discard: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(3, 4, requires_grad=True)
+        p = torch.randn(4, requires_grad=True)
+        proj = nn.Linear(4, 4)
+        arg = _RcHolder(types.SimpleNamespace(t=p * 3), list(range(1000, 201_000)))
+        use = lambda t, c: torch.tanh(t * c.a.t)  # noqa: E731
+        h = x * 2
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            try:
+                out = ckpt.checkpoint(use, h, arg)
+            except CheckpointConfigError:  # refused at the call, as without the list: fine
+                return grads(False)
+            y = proj(out)
+            ckpt.discard_output_and_register_recompute(y)
+        else:
+            y = proj(use(h, arg))
+        y.pow(2).sum().backward()
+        return [x.grad, p.grad, proj.weight.grad]
+
+    eager = grads(False)
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), eager))
+
+
+def test_an_output_discard_given_a_tensor_free_dataclass_beside_a_long_list_gives_eager_grads(
+        ) -> None:
+    arg = _RcHolder(2.0, list(range(1000, 201_000)))
+    arg.scale = 2.0  # type: ignore[attr-defined]
+    eager = _qz_discard_grads(arg, discard=False)
+    assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(arg, discard=True), eager))
