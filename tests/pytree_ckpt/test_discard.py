@@ -2312,22 +2312,34 @@ class _InnerGradOp(nn.Module):
             return torch.autograd.grad(u, x, create_graph=True)[0]
 
 
-def _inner_grad_step(op: nn.Module, discard: bool) -> list[torch.Tensor]:
-    zero_grads(op.parameters())
+def _inner_grad_step(op: nn.Module, discard: bool, *others: nn.Module) -> list[torch.Tensor]:
+    """A step of ``op(h, 2 * h, *others)`` (discarded or eager): loss and gradients."""
+    modules = (op, *others)
+    zero_grads([p for m in modules for p in m.parameters()])
     torch.manual_seed(1)
     s = torch.randn(5, 1, requires_grad=True)
     h = s * 1.5
     if discard:
         ckpt = CheckpointWithoutOutput()
-        out = ckpt.checkpoint(op, h, 2 * h)
+        out = ckpt.checkpoint(op, h, 2 * h, *others)
         z = (out * 3).pow(2)
         ckpt.discard_output_and_register_recompute(z)
     else:
-        z = (op(h, 2 * h) * 3).pow(2)
+        z = (op(h, 2 * h, *others) * 3).pow(2)
     loss = z.sum()
     loss.backward()
-    assert s.grad is not None and op.w.grad is not None
-    return [loss.detach(), s.grad.clone(), op.w.grad.clone()]
+    assert s.grad is not None and all(m.w.grad is not None for m in modules)
+    return [loss.detach(), s.grad.clone(), *(m.w.grad.clone() for m in modules)]
+
+
+def _refused_or_eager(eager: list[torch.Tensor], run: Callable[[], list[torch.Tensor]]) -> None:
+    """The discarded step is refused as the boundary refuses it, or gives eager's numbers."""
+    try:
+        ours = run()
+    except CheckpointError as refused:
+        assert "took a gradient inside its forward" in str(refused)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
 
 
 @pytest.mark.parametrize("via_cat", [False, True], ids=["elementwise", "through_cat"])
@@ -2336,12 +2348,7 @@ def test_a_discarded_op_taking_a_gradient_past_an_input_is_refused_or_gives_eage
     torch.manual_seed(0)
     op = _InnerGradOp(via_cat)
     eager = _inner_grad_step(op, discard=False)
-    try:
-        ours = _inner_grad_step(op, discard=True)
-    except CheckpointError as refused:  # as checkpoint(op, h, 2 * h) refuses it
-        assert "took a gradient inside its forward" in str(refused)
-        return
-    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    _refused_or_eager(eager, lambda: _inner_grad_step(op, discard=True))  # as checkpoint() does
 
 
 def test_a_checkpointed_op_taking_a_gradient_past_an_input_is_refused_naming_it() -> None:
@@ -2633,12 +2640,7 @@ def test_a_copy_of_a_rebuilt_discard_module_is_refused_or_eager_as_a_fresh_one()
     z.sum().backward()
     copied = copy.deepcopy(op)  # an EMA teacher, a grown model: a module of its own
     eager = _inner_grad_step(copy.deepcopy(op), discard=False)
-    try:
-        ours = _inner_grad_step(copied, discard=True)
-    except CheckpointError as refused:  # as a fresh module and the boundary's copy are
-        assert "took a gradient inside its forward" in str(refused)
-        return
-    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    _refused_or_eager(eager, lambda: _inner_grad_step(copied, discard=True))
 
 
 def test_a_copy_of_a_replayed_module_is_refused_at_the_boundary() -> None:
@@ -2675,12 +2677,7 @@ def test_a_pickled_rebuilt_discard_module_is_refused_or_eager_as_a_fresh_one(how
         buf.seek(0)
         copied = torch.load(buf, weights_only=False)
     eager = _inner_grad_step(copy.deepcopy(op), discard=False)
-    try:
-        ours = _inner_grad_step(copied, discard=True)
-    except CheckpointError as refused:
-        assert "took a gradient inside its forward" in str(refused)
-        return
-    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    _refused_or_eager(eager, lambda: _inner_grad_step(copied, discard=True))
 
 
 def test_make_fx_of_a_training_step_with_an_output_discard_traces_eagers_gradients() -> None:
@@ -2786,30 +2783,8 @@ def test_a_rebuilt_discard_module_called_with_a_fresh_module_is_watched_again() 
     ckpt.discard_output_and_register_recompute(z)
     z.sum().backward()
 
-    def step(discard: bool) -> list[torch.Tensor]:
-        zero_grads([*op.parameters(), *fresh.parameters()])
-        torch.manual_seed(1)
-        s = torch.randn(5, 1, requires_grad=True)
-        h = s * 1.5
-        if discard:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(op, h, 2 * h, fresh)
-            z = (out * 3).pow(2)
-            ckpt.discard_output_and_register_recompute(z)
-        else:
-            z = (op(h, 2 * h, fresh) * 3).pow(2)
-        loss = z.sum()
-        loss.backward()
-        assert s.grad is not None and op.w.grad is not None and fresh.w.grad is not None
-        return [loss.detach(), s.grad.clone(), op.w.grad.clone(), fresh.w.grad.clone()]
-
-    eager = step(discard=False)
-    try:
-        ours = step(discard=True)
-    except CheckpointError as refused:
-        assert "took a gradient inside its forward" in str(refused)
-        return
-    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    eager = _inner_grad_step(op, False, fresh)
+    _refused_or_eager(eager, lambda: _inner_grad_step(op, True, fresh))
 
 
 def test_a_rebuilt_discard_module_given_a_submodule_since_is_watched_again() -> None:
@@ -2825,30 +2800,7 @@ def test_a_rebuilt_discard_module_given_a_submodule_since_is_watched_again() -> 
     z.sum().backward()  # rebuilt: op marked
     op.extra = nn.Linear(2, 2)  # a grown model: a new structure generation
 
-    def step(discard: bool) -> list[torch.Tensor]:
-        zero_grads(op.parameters())
-        torch.manual_seed(1)
-        s = torch.randn(5, 1, requires_grad=True)
-        h = s * 1.5
-        if discard:
-            ckpt = CheckpointWithoutOutput()
-            out = ckpt.checkpoint(op, h, 2 * h)
-            z = (out * 3).pow(2)
-            ckpt.discard_output_and_register_recompute(z)
-        else:
-            z = (op(h, 2 * h) * 3).pow(2)
-        loss = z.sum()
-        loss.backward()
-        assert s.grad is not None and op.w.grad is not None
-        return [loss.detach(), s.grad.clone(), op.w.grad.clone()]
-
-    eager = step(discard=False)
-    try:
-        ours = step(discard=True)
-    except CheckpointError as refused:
-        assert "took a gradient inside its forward" in str(refused)
-        return
-    assert all(torch.equal(a, b) for a, b in zip(eager, ours))
+    _refused_or_eager(_inner_grad_step(op, False), lambda: _inner_grad_step(op, True))
 
 
 def test_a_list_given_to_torch_cat_is_refused_with_its_path_and_a_tip_that_runs() -> None:

@@ -886,6 +886,13 @@ def test_a_buffer_viewed_anew_more_ways_with_micro_batches_gives_eager_steps(
                    for b, b2 in zip(bufs, bufs2)), step
 
 
+def _every_grad_as_eager(eager: nn.Module, model: nn.Module, /) -> None:
+    """Every parameter of ``model`` has a gradient, bit for bit its eager twin's (a torch
+    wrapper's reentrant checkpoint gave some none, where no input required grad)."""
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
 def test_a_layer_inside_a_reentrant_torch_wrapper_is_refused_or_gives_eager_gradients() -> None:
     # torchtune's / torch.distributed's apply_activation_checkpointing(model,
     # checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=REENTRANT)) left on,
@@ -914,8 +921,7 @@ def test_a_layer_inside_a_reentrant_torch_wrapper_is_refused_or_gives_eager_grad
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             m(x).square().sum().backward()
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 def test_a_model_migrated_from_torchs_checkpoint_wrapper_loads_the_old_state_dict_and_names(
@@ -975,8 +981,7 @@ def test_checkpoint_of_a_model_holding_a_reentrant_torch_wrapper_is_refused_or_g
     except pytree_ckpt.CheckpointError as refused:
         assert "REENTRANT" in str(refused) or "use_reentrant=True" in str(refused)
         return
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 def test_checkpoint_of_a_model_holding_a_non_reentrant_torch_wrapper_gives_torchs_steps(
@@ -1147,8 +1152,7 @@ def test_checkpoint_of_a_wrapped_whole_model_forward_holding_a_reentrant_torch_w
     except pytree_ckpt.CheckpointError as refused:
         assert "REENTRANT" in str(refused) or "use_reentrant=True" in str(refused)
         return
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 @pytest.mark.parametrize("form", ["model.__call__ by a partial", "partial(type.forward, model)",
@@ -1202,8 +1206,7 @@ def test_a_layer_with_an_instance_forward_given_a_reentrant_torch_wrapper_after_
     except pytree_ckpt.CheckpointError as refused:
         assert "REENTRANT" in str(refused) or "use_reentrant=True" in str(refused)
         return
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 # helper QR: call forms that run a part of the model (841d3df's other_method_of): no false
@@ -1297,8 +1300,7 @@ def test_checkpoint_of_a_whole_model_after_a_call_of_another_method_is_refused_o
         assert "REENTRANT" in str(refused)
         return
     eager(x).square().sum().backward()
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 def test_checkpoint_of_an_instance_forward_set_as_a_partial_holding_a_reentrant_torch_wrapper_is_refused_or_gives_eager(
@@ -1332,8 +1334,7 @@ def test_checkpoint_of_an_instance_forward_set_as_a_partial_holding_a_reentrant_
         assert "REENTRANT" in str(refused)
         return
     eager(x).square().sum().backward()
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 # Helper QS: regressions of 57bf18a (the torch-wrapper check pending while only parts ran).
@@ -1375,8 +1376,7 @@ def test_checkpoint_of_a_whole_model_retried_after_its_refusal_following_a_part_
         assert "REENTRANT" in str(refused)
         return
     eager(x).square().sum().backward()
-    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
-               for a, b in zip(eager.parameters(), model.parameters()))
+    _every_grad_as_eager(eager, model)
 
 
 def test_checkpoint_of_a_whole_model_retried_after_its_refusal_is_refused_again() -> None:

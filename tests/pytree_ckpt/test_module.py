@@ -1969,10 +1969,12 @@ def test_removing_checkpointing_from_an_unwrapped_model_mid_step_keeps_a_functio
 
 
 class _QwLayer(nn.Module):
-    def __init__(self) -> None:
+    """A layer whose inner submodule the removal tests hook."""
+
+    def __init__(self, size: int = 6) -> None:
         super().__init__()
-        self.inner = nn.Linear(6, 6)
-        self.lin = nn.Linear(6, 6)
+        self.inner = nn.Linear(size, size)
+        self.lin = nn.Linear(size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.lin(self.inner(x)))
@@ -2134,16 +2136,6 @@ def test_the_combined_refusal_states_each_differing_layers_installed_options() -
 # Helper QX: regressions of 6127bf8 (the recorder left beside a user's forward hook on removal).
 
 
-class _QxLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = nn.Linear(4, 4)
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.lin(self.inner(x)))
-
-
 class _QxKeep:
     """A picklable forward hook keeping the outputs it receives (not pickled with them)."""
 
@@ -2162,7 +2154,7 @@ class _QxKeep:
 
 def _qx_model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(_QxLayer(), _QxLayer())
+    return nn.Sequential(_QwLayer(4), _QwLayer(4))
 
 
 def _qx_steps(model: nn.Module, keep: _QxKeep, x: torch.Tensor, steps: int = 3) -> list[Any]:
