@@ -9,7 +9,8 @@ place just before the consumer's backward needs it.
 Here: the checkpoint, the discard and the rebuild. Beside it: the autograd Function whose
 backward differentiates the rebuilt graph (discard_function.py, with NOTE [exactness]), the
 manager that discards a block of chained checkpoints (discard_manager.py), what discard
-refuses (discard_refusals.py), and which outputs are never freed (discard_aliases.py).
+refuses (discard_refusals.py) and which arguments it takes (discard_arguments.py), and which
+outputs are never freed (discard_aliases.py).
 
 NOTE [discard lifetimes]:
 1. ``checkpoint(fn, *args)`` saves the inputs through autograd (``save_for_backward``: an outer
@@ -51,14 +52,12 @@ and discarding is a no-op: nothing was saved; the boundary's replay discards for
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
-import types
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -67,6 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
+from .discard_arguments import checked_arguments
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -91,8 +91,7 @@ from .rng import IsolatedPass, ReplayEnvironment
 from .state_changes import ChangedState
 from .subclass import SubclassKind, alias_as_kind, as_kind, rebuilt_by_parts
 from .torch_checkpoints import inside_torchs_checkpoint
-from .tree import (alias, dunder, flatten, is_proxy, proxy_refused, refuse_proxies,
-                   refuse_proxy_function)
+from .tree import alias, dunder, refuse_proxy_function
 
 __all__ = ["CheckpointWithoutOutput", "DISCARDED_MARK"]
 
@@ -157,53 +156,6 @@ def _refuse_compiled_autograd(name: str, error: RuntimeError, /) -> None:
         got="a backward under torch._dynamo.compiled_autograd",
         tip="run the discard inside a checkpointed layer (apply_activation_checkpointing: its "
             "replay rebuilds eagerly), or this backward without compiled autograd") from error
-
-
-def _tensor_inside(value: object, root: str, /) -> bool:
-    """Whether a tensor is reachable in ``value`` through containers, dataclass fields and
-    object attributes (a namespace's, a dataclass's own: slots fields too, helper RB), each
-    object looked at once, so that a node holding its parent, or itself, ends (helper RA: the
-    tree's walk raised RecursionError); linear in the objects held, with no cap (helpers RB,
-    RC: a cap read as no tensor, or as one). A weakref.proxy on the way is refused there,
-    named by its path from ``root`` (NOTE [a weakref.proxy leaf])."""
-    seen: set[int] = set()
-    stack: list[tuple[object, str]] = [(value, root)]
-    while stack:
-        item, path = stack.pop()
-        if is_proxy(item):  # before isinstance, which a proxy answers for what it refers to
-            raise proxy_refused(item, path)
-        if isinstance(item, torch.Tensor):
-            return True
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, (list, tuple)):
-            stack.extend((v, f"{path}[{k}]") for k, v in enumerate(item))
-        elif isinstance(item, (set, frozenset)):
-            stack.extend((v, f"{path}{{...}}") for v in item)
-        elif isinstance(item, dict):
-            stack.extend((v, f"{path}[{k!r}]") for k, v in item.items())
-        elif isinstance(item, types.SimpleNamespace):
-            stack.extend((v, f"{path}.{k}") for k, v in vars(item).items())
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            held = dunder(item, "__dict__")
-            stack.extend((v, f"{path}.{k}") for k, v in
-                         (held.items() if isinstance(held, dict) else ()))
-            stack.extend((dunder(item, f.name), f"{path}.{f.name}")
-                         for f in dataclasses.fields(cast(Any, item)))
-    return False
-
-
-def _refuse_container_argument(fn: Callable[..., Any], i: int, arg: object, /) -> NoReturn:
-    # A function taking them one by one: torch.cat itself takes no tensors so (helper QV: the
-    # tip read as ckpt.checkpoint(torch.cat, a, b) failed).
-    raise CheckpointConfigError(
-        "CheckpointWithoutOutput takes tensors as plain arguments; "
-        f"{callable_name(fn)} got a container of tensors at args[{i}]",
-        expected="fn(tensor, ..., other_values)", got=f"args[{i}]: {type(arg).__name__}",
-        tip="pass the tensors as separate arguments of a function that takes them one by one "
-            "(ckpt.checkpoint(lambda a, b: torch.cat([a, b], -1), a, b)), or use "
-            "pytree_ckpt.checkpoint for structured inputs")
 
 
 class CheckpointWithoutOutput:
@@ -286,43 +238,20 @@ class CheckpointWithoutOutput:
                          "ckpt.checkpoint(fn, x, ...): the op first, then its arguments",
                          role="the op whose output is discarded and rebuilt")
         refuse_proxy_function(fn, "CheckpointWithoutOutput.checkpoint")
-        for i, arg in enumerate(args):  # NOTE [a weakref.proxy leaf] (tree.py): helper NY
-            if is_proxy(arg):
-                raise proxy_refused(arg, f"args[{i}] of {callable_name(fn)}")
         if isinstance(fn, nn.Module):
             # torch's own "missing the required forward function" otherwise, naming no fix
             refuse_container(fn, "checkpoint would have nothing to run",
                              tip="checkpoint each module it holds on its own: one "
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
-        for key, value in kwargs.items():
-            flat = flatten(value, root=f"kwargs[{key!r}]")
-            refuse_proxies(flat, root=f"kwargs[{key!r}]")  # NOTE [a weakref.proxy leaf]
-            if any(isinstance(x, (torch.Tensor, nn.Module)) for x in flat.leaves):
-                raise CheckpointConfigError(
-                    f"CheckpointWithoutOutput takes tensors and modules as positional arguments; "
-                    f"{callable_name(fn)} got one as keyword {key!r}",
-                    expected="fn(tensor, ..., option=plain_value)",
-                    got=f"{key}={type(value).__name__}",
-                    tip="pass it positionally (a lambda or a method can reorder arguments: "
-                        "ckpt.checkpoint(lambda x, w: F.layer_norm(x, (64,), weight=w), x, w))")
-        for i, arg in enumerate(args):
-            if isinstance(arg, (list, tuple, dict)):
-                flat = flatten(arg, root=f"args[{i}]")
-                refuse_proxies(flat, root=f"args[{i}]")  # NOTE [a weakref.proxy leaf]
-                if any(isinstance(x, torch.Tensor) for x in flat.leaves):
-                    _refuse_container_argument(fn, i, arg)
-            elif (isinstance(arg, types.SimpleNamespace) or dataclasses.is_dataclass(arg)
-                    and not isinstance(arg, type)) and _tensor_inside(arg, f"args[{i}]"):
-                # A dataclass and a SimpleNamespace too (helper QY: their tensors were passed
-                # as they are, and one with a graph used outside failed in backward).
-                _refuse_container_argument(fn, i, arg)
+        held = checked_arguments(fn, args, kwargs)  # NOTE [an output discard's arguments]
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs
         owner = owning_module(fn)
         self.n_args = len(args)
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
+        modules += [m for m in held if not any(m is known for known in modules)]
         if modules:
             self.modules = modules
             trees = [module_dicts(m) for m in modules]
