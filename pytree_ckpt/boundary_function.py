@@ -479,13 +479,13 @@ class _BoundaryFunction(torch.autograd.Function):
                 check_made_leaves(call)
             return grads
         # The forward's modules (NOTE [the replay sees the forward's modules] in
-        # forward_modules.py), around the replay's gradients too: what runs in the replay's
-        # backward (an output discard's rebuild) sees them, and the replay's copies (NOTE [the
-        # replay changes copies] in state_changes.py) are of the very tensors the forward
-        # changed (a buffer torch.func.functional_call passed in).
+        # forward_modules.py) for the replay's forward: the replay's copies (NOTE [the replay
+        # changes copies] in state_changes.py) are of the very tensors the forward changed (a
+        # buffer torch.func.functional_call passed in). The present ones are put back before
+        # the replay's backward (NOTE [the replay's backward sees the modules as they are]).
         assert call.forward_modules is not None
-        with call.forward_modules.reinstated(changes):
-            grads = replay_backward(ctx, call, grad_outputs)
+        with call.forward_modules.reinstated(changes) as put_back:
+            grads = replay_backward(ctx, call, grad_outputs, backward_begins=put_back)
         if call.made_leaves is not None:  # NOTE [leaves the call makes] (refusals.py)
             check_made_leaves(call)
         return grads

@@ -9,7 +9,7 @@ What the original pass changes of the modules' state (buffers, frozen parameters
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -60,6 +60,18 @@ class ForwardModules:
       them: ``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) swap tensors in
       for the call only, so the replay in backward would run on the module's own parameters
       and the tensors passed in would get no gradient.
+
+    NOTE [the replay's backward sees the modules as they are]: only the replay's forward (and
+    the checks on what it returned) runs on the forward's entries and flags: the boundary puts
+    the present ones back before the replay's own backward, where the user's backward hooks
+    and tensor hooks run. A hook reading the module (``state_dict()`` saved from a hook, a
+    flag) then reads it as in eager, and one setting a buffer (a gradient statistic kept as
+    one: ``self.ema = 0.9 * self.ema + ...``) sets the module's own; put back after that
+    backward, the hook's update was dropped and its reads were of the forward's tensors (helper
+    RF, two micro-batches over a forward that rebinds a buffer). The graph the backward runs
+    was made in the replay's forward and needs nothing of the modules; an output discard
+    rebuilt there puts back its own module's forward entries (discard.py, NOTE [discard
+    lifetimes] 5), as a nested boundary's replay does.
 
     The forward keeps a list of flags, a shallow copy of each non-empty dict and a list of the
     empty ones (an entry added to one is not the forward's either; about 3 us for a decoder
@@ -144,9 +156,10 @@ class ForwardModules:
         return modes, swapped
 
     @contextmanager
-    def reinstated(self, changes: Changes, /) -> Iterator[None]:
+    def reinstated(self, changes: Changes, /) -> Iterator[Callable[[], None]]:
         """The forward's modes and entries for the block, ``changes`` (from ``changes()``)
-        put back after it."""
+        put back after it, or earlier, when the block calls what it is given (NOTE [the
+        replay's backward sees the modules as they are])."""
         modes, swapped = changes
         self._set_modes(self.modes)
         for d, entries, _ in swapped:
@@ -154,17 +167,27 @@ class ForwardModules:
             d.update(entries)
         # NOTE [context variables set inside the try] (keep.py)
         token = None
-        try:
-            if swapped:
-                token = REINSTATED.set(REINSTATED.get() | {id(d) for d, _, _ in swapped})
-            yield
-        finally:
+        back = False
+
+        def put_back() -> None:
+            nonlocal token, back
+            if back:
+                return
+            back = True
             if token is not None:
                 REINSTATED.reset(token)
+                token = None
             self._set_modes(modes)
             for d, _, now in swapped:
                 d.clear()
                 d.update(now)
+
+        try:
+            if swapped:
+                token = REINSTATED.set(REINSTATED.get() | {id(d) for d, _, _ in swapped})
+            yield put_back
+        finally:
+            put_back()
 
     def _set_modes(self, modes: tuple[list[bool], list[Any]]) -> None:
         # Plain attribute writes, not train()/eval(): a module overriding train() (to keep its

@@ -8,7 +8,7 @@ with their files.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -218,8 +218,11 @@ def _refuse_leaves_reached(call: BoundaryCall, outs: Sequence[torch.Tensor],
 
 
 def replay_backward(ctx: Any, call: BoundaryCall,
-                    grad_outputs: tuple[torch.Tensor | None, ...], /) -> Any:
-    """The replay of ``call`` and the gradients of its inputs (and parameters)."""
+                    grad_outputs: tuple[torch.Tensor | None, ...], /, *,
+                    backward_begins: Callable[[], None] = lambda: None) -> Any:
+    """The replay of ``call`` and the gradients of its inputs (and parameters);
+    ``backward_begins`` is called before the replay's own backward runs (NOTE [the replay's
+    backward sees the modules as they are] in forward_modules.py)."""
     explicit = call.params is not None
     pure = False
     restricted = not explicit and not _checkpoint_valid()
@@ -248,6 +251,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
                 "apply_activation_checkpointing), or call loss.backward() and read .grad")
     needs = ctx.needs_input_grad[2:]
     if call.kept is not None:  # NOTE [a replay kept between restricted backwards]
+        backward_begins()  # no forward runs: a backward of the kept graph alone
         return _from_kept(ctx, call, call.kept, grad_outputs)
     if call.bound is not None:  # NOTE [a module rebound before the replay] in rebound.py
         refuse_rebound(call.fn, call.bound)
@@ -487,6 +491,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         call.changed_numbers = None
         call.prints = None  # verify_replay's, compared above (helper HA: held with the graph)
     if not explicit:
+        backward_begins()
         if outs:
             try:
                 torch.autograd.backward(outs, grads)
@@ -527,6 +532,7 @@ def replay_backward(ctx: Any, call: BoundaryCall,
         # intermediates get now, for a weight pass handed these grad_outputs again.
         capture = WeightCapture.of(outs, wrt, ctx.next_functions, wanted, [
             i for i in needed if i >= n and i not in wanted]) if keep else None
+        backward_begins()
         with ParameterHooksPaused(call.params, outs) as replayed:
             try:
                 # NOTE [the replay calls the engine directly] (engine.py): outs passed

@@ -1064,3 +1064,71 @@ def test_a_defaultdict_of_frozen_masks_whose_entry_is_deleted_gives_eager_gradie
                 del model.masks["drop"]  # switched off after the first step
         assert dict(eager.masks) == dict(ours.masks), step
         assert_same_grads(*grads)
+
+
+# NOTE [the replay's backward sees the modules as they are] (forward_modules.py): the forward's
+# entries and flags serve the replay's forward only; the replay's backward, where hooks run and
+# output discards inside the layer rebuild, sees the modules as the caller left them.
+
+class Rebinding(nn.Module):
+    """Rebinds its buffer at each call (a step count) and scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.ones(()))
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + 1
+        return x * self.w * self.count
+
+
+class RebindingInside(nn.Module):
+    """``x + lin(inner(x))`` with ``inner`` run plainly, through an output discard, or through a
+    nested boundary; the layer's full backward hook counts into a buffer in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.inner = Rebinding()
+        self.lin = nn.Linear(8, 8)
+        self.how = how
+        self.register_buffer("hooked", torch.zeros(()))
+        self.lin.register_full_backward_hook(self.count_backward)
+        self.flags: list[bool] = []
+
+    def count_backward(self, module: nn.Module, grad_in: object, grad_out: object) -> None:
+        self.hooked.add_(1)  # in place: on the buffer the caller's module holds now
+        self.flags.append(self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "discard":
+            ckpt = pytree_ckpt.CheckpointWithoutOutput()
+            out = self.lin(ckpt.checkpoint(self.inner, x))
+            ckpt.discard_output_and_register_recompute(out)
+            return x + out
+        if self.how == "nested":
+            return x + self.lin(pytree_ckpt.checkpoint(self.inner, x))
+        return x + self.lin(self.inner(x))
+
+
+@pytest.mark.parametrize("how", ["plain", "discard", "nested"])
+def test_a_layer_rebinding_state_over_micro_batches_gives_its_hooks_the_modules_as_eager(
+        how: str) -> None:
+    # Two micro-batches, then their backwards, the model switched to eval() in between (a
+    # validation pass): the discard's rebuild and the nested replay read the forward's count,
+    # the hook reads eval mode and counts into the buffer the module holds, as in eager.
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), RebindingInside("plain"), nn.Linear(8, 1))
+    ours = copy.deepcopy(eager)
+    ours[1].how = how
+    pytree_ckpt.apply_activation_checkpointing(ours[1])
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for model in (eager, ours):
+        losses = [model(x).sum() for x in xs]
+        model.eval()
+        for loss in losses:
+            loss.backward()
+    assert_same_grads(grads_of(eager.parameters()), grads_of(ours.parameters()))
+    assert ours[1].flags == eager[1].flags == [False, False]
+    assert torch.equal(ours[1].hooked, eager[1].hooked) and eager[1].hooked.item() == 2
+    assert torch.equal(ours[1].inner.count, eager[1].inner.count)
