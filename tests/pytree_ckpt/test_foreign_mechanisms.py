@@ -1469,3 +1469,182 @@ def test_a_reentrant_torch_wrapper_over_moduledict_values_is_named_by_its_key(ap
     message = str(err.value)
     assert "layers['5']" in message, message  # stage[1] is a KeyError
     assert not pytree_ckpt.is_checkpointed(stage["4"])
+
+
+# Helper RG: mutants of torch_wrappers.py no test killed.
+
+
+def test_the_checkpointed_twice_warnings_point_at_the_users_line() -> None:
+    # Guards against the warnings' stacklevel=user_stacklevel() set to a fixed level: the
+    # warning at checkpoint(model, x)'s first call and the one at apply point at the line of
+    # the user's call, as a user's warnings filter (by module or file) expects.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model = _QSModel()
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    applied = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pytree_ckpt.checkpoint(model, torch.randn(4, 8))
+        pytree_ckpt.apply_activation_checkpointing(applied, check_fn=lambda m: m is applied.first)
+    told = [w for w in caught if "checkpointed twice" in str(w.message)]
+    assert len(told) == 2
+    assert all(w.filename == __file__ for w in told), [(w.filename, w.lineno) for w in told]
+
+
+def test_checkpoint_of_torchs_checkpoint_wrapper_itself_warns_checkpointed_twice_and_gives_eager(
+        ) -> None:
+    # Guards against _at_first_call's "if inner is None" read as "if not inner": the wrapper
+    # given itself (its path "") was let through unwarned.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    wrapped = checkpoint_wrapper(copy.deepcopy(eager))
+    x = torch.randn(4, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with pytest.warns(UserWarning, match="holding the CheckpointWrapper itself"):
+        out = pytree_ckpt.checkpoint(wrapped, x2)
+    out.square().sum().backward()
+    eager(x).square().sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), wrapped.parameters()))
+
+
+class _RGBlockHoldingTorchsWrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+        self.inner = checkpoint_wrapper(nn.Linear(8, 8))
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inner(x)))
+
+
+def test_layers_warned_at_apply_are_not_warned_again_at_their_first_calls() -> None:
+    # Guards against warn_inside_torch_wrapper not marking the chosen layers told: each
+    # layer's first call warned "checkpointed twice" once more (three warnings for two layers).
+    model = nn.Sequential(_RGBlockHoldingTorchsWrapper(), _RGBlockHoldingTorchsWrapper())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pytree_ckpt.apply_activation_checkpointing(
+            model, check_fn=lambda m: isinstance(m, _RGBlockHoldingTorchsWrapper))
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    told = [str(w.message) for w in caught if "checkpointed twice" in str(w.message)]
+    assert len(told) == 1 and "0 (holding" in told[0] and "1 (holding" in told[0], told
+
+
+class _RGModelFailingOnce(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+        self.first = checkpoint_wrapper(nn.Linear(8, 8))
+        self.head = nn.Linear(8, 8)
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.fail = False
+            raise ValueError("a bad batch")
+        return self.head(torch.tanh(self.first(x)))
+
+
+def test_a_model_holding_torchs_wrapper_is_warned_once_over_its_first_calls() -> None:
+    # Guards against _at_first_call not marking the model told: a first call that raised
+    # (a bad batch) and forward-only calls leave the model's calls first ones, and each
+    # warned "checkpointed twice" again.
+    model = _RGModelFailingOnce()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="a bad batch"):
+            pytree_ckpt.checkpoint(model, torch.randn(4, 8))
+        for _ in range(2):
+            pytree_ckpt.checkpoint(model, torch.randn(4, 8))
+    told = [w for w in caught if "checkpointed twice" in str(w.message)]
+    assert len(told) == 1
+
+
+class _RGModelWithAFullMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def full(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.first(x)))
+
+
+def test_the_method_set_as_instance_forward_beside_a_reentrant_torch_wrapper_is_refused_or_eager(
+        ) -> None:
+    # Guards against _same_callable reduced to "a is b": model.forward = model.full, then
+    # checkpoint(model.full, x) (a bound method read anew, not the stored one) was taken for
+    # another method, the check left pending, and "first" got no gradient, silently.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    torch.manual_seed(0)
+    eager = _RGModelWithAFullMethod()
+    model = copy.deepcopy(eager)
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    model.forward = model.full
+    x = torch.randn(4, 8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "None of the inputs have requires_grad"
+            out = pytree_ckpt.checkpoint(model.full, x)
+            out.square().sum().backward()
+    except pytree_ckpt.CheckpointError as error:
+        assert "REENTRANT" in str(error)
+        return
+    eager.full(x).square().sum().backward()
+    assert all(b.grad is not None and torch.equal(a.grad, b.grad)
+               for a, b in zip(eager.parameters(), model.parameters()))
+
+
+class _RGModelTakingAScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, scale: float, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.first(x))) * scale
+
+
+def test_checkpoint_of_a_partial_of_the_model_holding_a_reentrant_torch_wrapper_is_refused() -> None:
+    # Guards against other_method_of's partial branch reading any bound first argument (not
+    # only the model) as partial(type(model).method, model): partial(model, 2.0), a call of
+    # the whole model, was taken for another method, left pending, and "first" got no
+    # gradient, silently.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model = _RGModelTakingAScale()
+    model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
+    with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT"):
+        pytree_ckpt.checkpoint(functools.partial(model, 2.0), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("impl", ["REENTRANT", "NO_REENTRANT"])
+def test_layers_chosen_inside_a_model_that_is_torchs_wrapper_are_refused_or_warned(impl: str) -> None:
+    # Guards against warn_inside_torch_wrapper's ancestor walk skipping the model itself
+    # (range(1, ...)): layers chosen with check_fn in a model that is torch's CheckpointWrapper
+    # were neither refused (REENTRANT: no gradient where no input requires grad) nor warned.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    model = checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+                               checkpoint_impl=getattr(CheckpointImpl, impl))
+    apply = functools.partial(pytree_ckpt.apply_activation_checkpointing, model,
+                              check_fn=lambda m: isinstance(m, nn.Linear))
+    if impl == "REENTRANT":
+        with pytest.raises(pytree_ckpt.CheckpointError, match="REENTRANT at \\(the model\\)"):
+            apply()
+    else:
+        with pytest.warns(UserWarning, match="inside the CheckpointWrapper the model"):
+            apply()
