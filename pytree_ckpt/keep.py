@@ -165,12 +165,14 @@ _WARNED_MUTATING: set[str] = set()
 
 
 def op_name(op: Any, /) -> Any:
-    """The qualified name of a torch.ops object (``aten::mm``, ``aten::mm.default``); anything
-    else as it is."""
+    """The qualified name of a torch.ops object (``aten::mm``, ``aten::mm.default``) or of the
+    op ``@torch.library.custom_op`` makes; anything else as it is."""
     if isinstance(op, torch._ops.OpOverload):
         return f"{op._schema.name}.{op._overloadname}"
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op._qualified_op_name
+    if isinstance(op, torch._library.custom_ops.CustomOpDef):  # helper QP: was refused
+        return op._qualname
     return op
 
 

@@ -34,7 +34,8 @@ class RecomputeTarget:
 class KeptOps(RecomputeTarget):
     """Keep the outputs of ops, by qualified name (``"aten::mm"``, ``"glm_dsa::topk"``), one
     overload (``"aten::addmm.default"``, as torch's selective checkpoint and torchtitan list
-    ops), or op object (``torch.ops.aten.mm``, ``torch.ops.aten.mm.default``).
+    ops), or op object (``torch.ops.aten.mm``, ``torch.ops.aten.mm.default``, or the function
+    ``@torch.library.custom_op`` returns).
 
     Names this torch build lacks are skipped (so a v2/v3 pair of kernel names resolves);
     a unit none of whose names exists warns once when applied, and a missing name close to one
@@ -42,7 +43,8 @@ class KeptOps(RecomputeTarget):
     docs/save_units.md) is skipped with a warning naming why.
     """
 
-    def __init__(self, *ops: str | torch._ops.OpOverload | torch._ops.OpOverloadPacket) -> None:
+    def __init__(self, *ops: str | torch._ops.OpOverload | torch._ops.OpOverloadPacket |
+                 torch._library.custom_ops.CustomOpDef) -> None:
         names = [op_name(op) for op in ops]
         # A list, not next(..., None): None itself is a bad argument.
         bad_ops = [op for op, n in zip(ops, names) if not (isinstance(n, str) and "::" in n)]
