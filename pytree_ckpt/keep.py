@@ -149,8 +149,13 @@ def never_kept(namespace: str, packet: Any, overload: str | None = None, /) -> s
                                                     else packet.overloads())]
     functional = [op for op in overloads if not op._schema.is_mutable]
     if overloads and not functional:
+        # An op of your own that mutates (torch.library.custom_op with mutates_args) has no
+        # functional twin to name (helper QP): its change and its result come apart instead.
         return ("in-place and out= ops are never kept: the replay must make their change "
-                "again; name the functional op (aten::addmm for aten::addmm_)")
+                "again; " + ("name the functional op (aten::addmm for aten::addmm_)"
+                             if namespace == "aten" else
+                             "split the change into an op of its own and keep an op that "
+                             "returns the result without changing its inputs"))
     # Overloads on Python values (aten::split.str, aten::slice.t on lists) make no tensor to
     # keep: a view op beside them is a view op.
     functional = [op for op in functional if any("Tensor" in str(r.type)

@@ -756,3 +756,15 @@ def test_a_running_statistic_passed_in_and_changed_in_place_kept_as_a_buffer_per
     assert torch.equal(xe.grad, xc.grad)
     assert torch.equal(eager.lin.weight.grad, ckpt.lin.weight.grad)
     assert torch.equal(eager.lin.bias.grad, ckpt.lin.bias.grad)
+
+
+def test_a_mutating_custom_op_named_in_kept_ops_warns_with_a_tip_that_fits_an_op_of_ones_own(
+        ) -> None:
+    # aten's tip names its functional twin (aten::addmm for aten::addmm_); an op of one's own
+    # has none (helper QP): the tip says to split the change from the result.
+    with pytest.warns(UserWarning, match="keeps nothing: in-place and out= ops are never kept") \
+            as caught:
+        kept = KeptOps(_update_stat, "aten::mm").resolve()
+    assert kept == [torch.ops.aten.mm]
+    message = str(caught[0].message)
+    assert "split the change into an op of its own" in message and "aten::addmm" not in message
