@@ -66,7 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import checked_arguments
+from .discard_arguments import checked_arguments, held_modules_known
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -251,7 +251,8 @@ class CheckpointWithoutOutput:
         owner = owning_module(fn)
         self.n_args = len(args)
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
-        modules += [m for m in held if not any(m is known for known in modules)]
+        if held_modules_known(fn, held):  # NOTE [an output discard's arguments]
+            modules += [m for m in held if not any(m is known for known in modules)]
         if modules:
             self.modules = modules
             trees = [module_dicts(m) for m in modules]

@@ -7,6 +7,7 @@ refuses, and which modules the call is given inside its arguments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, cast
@@ -14,11 +15,13 @@ from typing import Any, NoReturn, cast
 import torch
 from torch import nn
 
+from .discard_aliases import reachable_tensors
 from .errors import CheckpointConfigError
 from .frames import callable_name
+from .module_state import owning_module
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["checked_arguments"]
+__all__ = ["checked_arguments", "held_modules_known"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -35,51 +38,112 @@ __all__ = ["checked_arguments"]
 #   gradients from the op's node and the state its forward changes is watched (helper RB: in a
 #   dataclass or namespace its parameters were unknown, and backward refused them as foreign;
 #   in a list the call was an unknown callable's, and the rebuild updated a batch norm's
-#   running statistics a second time).
+#   running statistics a second time). Not for a plain function that also reaches a trainable
+#   tensor some other way (closing over `proj`, a global model): its parameters stay unknown,
+#   accumulated as a reentrant checkpoint does (held_modules_known; helper RI: made known, the
+#   held modules' alone were, and backward refused the closure's as foreign).
 # The walk takes each object once (a node holding its parent, or itself, ends: helper RA, the
 # tree's walk raised RecursionError), is linear in the objects held and has no cap (helpers RB,
 # RC: a cap read as no tensor, or as one). It opens containers, namespaces and dataclasses
-# (their fields, slots fields too, and their __dict__: helper RB), not modules or other objects.
+# (their fields, slots fields too, and their __dict__: helper RB), not modules or other objects;
+# where it meets another object, the tree's flatten looks too (a registered pytree node may
+# hold tensors). Paths are made only for a refusal: a tensor-free list of a million numbers is
+# walked once, without a string per entry (helper RI: walked twice, with paths, it cost twice
+# the flatten alone).
+
+# Values that hold nothing the walk looks for; of exactly these classes, they are not even
+# pushed (a list of numbers costs a type test each).
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+_EXACTLY_PLAIN = frozenset(_PLAIN)
+
+# A step of the walk: (the object, the step it was reached from, how: an index, ("key", n) for
+# a dict's n-th key, (None, key) for a dict's value, a name for an attribute, ... for a set's).
+_Step = tuple[object, "_Step | None", object]
 
 
-def _walk(value: object, root: str, /) -> Iterator[tuple[object, str]]:
-    """Each object reachable in ``value`` as the NOTE says, once, with its path from ``root``;
-    a weakref.proxy on the way is refused there."""
+def _path(step: _Step, root: str, /) -> str:
+    """The path of ``step``'s object from ``root`` (``args[1][0].t``)."""
+    parts = []
+    node: _Step | None = step
+    while node is not None and node[1] is not None:
+        how = node[2]
+        if isinstance(how, tuple):  # a dict's key, or its value under that key
+            parts.append(f".keys()[{how[1]}]" if how[0] == "key" else f"[{how[1]!r}]")
+        else:
+            parts.append(f"[{how}]" if isinstance(how, int) else f".{how}"
+                         if isinstance(how, str) else "{...}")
+        node = node[1]
+    return root + "".join(reversed(parts))
+
+
+def _walk(value: object, root: str, /) -> Iterator[tuple[object, _Step, bool]]:
+    """Each object reachable in ``value`` as the NOTE says, once: the object, its step and
+    whether the walk opened it; a weakref.proxy on the way is refused, named by its path."""
     seen: set[int] = set()
-    stack: list[tuple[object, str]] = [(value, root)]
+    stack: list[_Step] = [(value, None, None)]
     while stack:
-        item, path = stack.pop()  # children are pushed last first: met in their order
+        step = stack.pop()  # children are pushed last first: met in their order
+        item = step[0]
         if is_proxy(item):  # before isinstance, which a proxy answers for what it refers to
-            raise proxy_refused(item, path)
+            raise proxy_refused(item, _path(step, root))
         if id(item) in seen:
             continue
         seen.add(id(item))
-        yield item, path
-        if isinstance(item, (torch.Tensor, nn.Module)):
+        if isinstance(item, (torch.Tensor, nn.Module) + _PLAIN):
+            yield item, step, False
             continue
-        children: list[tuple[object, str]] = []
         if isinstance(item, (list, tuple)):
-            children = [(v, f"{path}[{k}]") for k, v in enumerate(item)]
+            stack.extend((v, step, k) for k, v in reversed(list(enumerate(item)))
+                         if type(v) not in _EXACTLY_PLAIN)
         elif isinstance(item, (set, frozenset)):
-            children = [(v, f"{path}{{...}}") for v in item]
+            stack.extend((v, step, ...) for v in item if type(v) not in _EXACTLY_PLAIN)
         elif isinstance(item, dict):
-            children = [(v, f"{path}[{k!r}]") for k, v in item.items()]
-            children += [(k, f"{path}.keys()[{n}]") for n, k in enumerate(item)]
+            keys = list(item)
+            stack.extend((keys[n], step, ("key", n)) for n in range(len(keys) - 1, -1, -1)
+                         if type(keys[n]) not in _EXACTLY_PLAIN)
+            stack.extend((v, step, (None, k)) for k, v in reversed(list(item.items()))
+                         if type(v) not in _EXACTLY_PLAIN)
         elif isinstance(item, types.SimpleNamespace):
-            children = [(v, f"{path}.{k}") for k, v in vars(item).items()]
+            stack.extend((v, step, k) for k, v in reversed(vars(item).items()))
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            children = [(dunder(item, f.name), f"{path}.{f.name}")
-                        for f in dataclasses.fields(cast(Any, item))]
             held = dunder(item, "__dict__")
-            children += [(v, f"{path}.{k}") for k, v in
-                         (held.items() if isinstance(held, dict) else ())]
-        stack.extend(reversed(children))
+            stack.extend((v, step, k) for k, v in
+                         reversed(held.items() if isinstance(held, dict) else ()))
+            stack.extend((dunder(item, f.name), step, f.name)
+                         for f in reversed(dataclasses.fields(cast(Any, item))))
+        else:
+            yield item, step, False
+            continue
+        yield item, step, True
 
 
 def _opened(value: object, /) -> bool:
     """Whether the walk looks inside ``value`` (a plain tensor or int is not walked)."""
     return isinstance(value, (list, tuple, dict, set, frozenset, types.SimpleNamespace)) or (
         dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+def _look(value: object, root: str, refuse: Callable[[str], NoReturn], /, *,
+          modules_too: bool) -> list[nn.Module]:
+    """The modules held in ``value``; ``refuse`` is called with the path of a tensor (or,
+    ``modules_too``, of a module) held in it."""
+    held: list[nn.Module] = []
+    other = False
+    for item, step, opened in _walk(value, root):
+        if isinstance(item, torch.Tensor) or modules_too and isinstance(item, nn.Module):
+            refuse(_path(step, root))
+        if isinstance(item, nn.Module):
+            if not any(item is m for m in held):
+                held.append(item)
+        elif not opened and not isinstance(item, _PLAIN):
+            other = True
+    if other:
+        flat = flatten(value, root=root)
+        refuse_proxies(flat, root=root)  # NOTE [a weakref.proxy leaf]
+        if any(isinstance(x, torch.Tensor) or modules_too and isinstance(x, nn.Module)
+               for x in flat.leaves):
+            refuse(root)
+    return held
 
 
 def _refuse_held_tensor(fn: Callable[..., Any], i: int, arg: object, path: str, /) -> NoReturn:
@@ -114,28 +178,25 @@ def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         if is_proxy(arg):
             raise proxy_refused(arg, f"args[{i}] of {callable_name(fn)}")
     for key, value in kwargs.items():
-        root = f"kwargs[{key!r}]"
-        flat = flatten(value, root=root)  # opens registered pytree nodes the walk does not
-        refuse_proxies(flat, root=root)  # NOTE [a weakref.proxy leaf]
-        if any(isinstance(x, (torch.Tensor, nn.Module)) for x in flat.leaves):
-            _refuse_keyword(fn, key, value, root)
-        for item, path in _walk(value, root) if _opened(value) else ():
-            if isinstance(item, (torch.Tensor, nn.Module)):
-                _refuse_keyword(fn, key, value, path)
+        if isinstance(value, (torch.Tensor, nn.Module)):
+            _refuse_keyword(fn, key, value, f"kwargs[{key!r}]")
+        if not isinstance(value, _PLAIN):
+            _look(value, f"kwargs[{key!r}]", functools.partial(_refuse_keyword, fn, key, value),
+                  modules_too=True)
     held: list[nn.Module] = []
     for i, arg in enumerate(args):
-        if not _opened(arg):
-            continue
-        root = f"args[{i}]"
-        if isinstance(arg, (list, tuple, dict)):
-            flat = flatten(arg, root=root)
-            refuse_proxies(flat, root=root)  # NOTE [a weakref.proxy leaf]
-            if any(isinstance(x, torch.Tensor) for x in flat.leaves):  # a pytree node too
-                _refuse_held_tensor(fn, i, arg, next((path for x, path in _walk(arg, root)
-                                                      if isinstance(x, torch.Tensor)), root))
-        for item, path in _walk(arg, root):
-            if isinstance(item, torch.Tensor):
-                _refuse_held_tensor(fn, i, arg, path)
-            if isinstance(item, nn.Module) and not any(item is m for m in held):
-                held.append(item)
+        if _opened(arg):
+            found = _look(arg, f"args[{i}]", functools.partial(_refuse_held_tensor, fn, i, arg),
+                          modules_too=False)
+            held += [m for m in found if not any(m is known for known in held)]
     return held
+
+
+def held_modules_known(fn: Callable[..., Any], held: list[nn.Module], /) -> bool:
+    """Whether the modules held in ``fn``'s arguments are the call's known modules: unless
+    ``fn`` is a plain function reaching a trainable tensor other than their parameters (NOTE
+    [an output discard's arguments])."""
+    if not held or owning_module(fn) is not None:
+        return True
+    theirs = {id(p) for m in held for p in m.parameters()}
+    return not any(t.requires_grad and id(t) not in theirs for t in reachable_tensors(fn, ()))

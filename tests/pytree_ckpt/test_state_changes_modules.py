@@ -1132,3 +1132,87 @@ def test_a_layer_rebinding_state_over_micro_batches_gives_its_hooks_the_modules_
     assert ours[1].flags == eager[1].flags == [False, False]
     assert torch.equal(ours[1].hooked, eager[1].hooked) and eager[1].hooked.item() == 2
     assert torch.equal(ours[1].inner.count, eager[1].inner.count)
+
+
+# Helper RI: NOTE [the replay's backward sees the modules as they are] (c051227), what its
+# backward and a nested boundary or discard see against eager.
+
+class _FastLayer(nn.Module):
+    """A layer holding an output discard of a method and a nested boundary of a method, both
+    reading a submodule's parameters and ``self.training``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def _act(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.tanh(self.lin(a)), 0.3, self.training)
+
+    def _inner(self, a: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.out(a), 0.2, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ckpt = pytree_ckpt.CheckpointWithoutOutput()
+        h = ckpt.checkpoint(self._act, x)
+        y = pytree_ckpt.checkpoint(self._inner, h)
+        ckpt.discard_output_and_register_recompute(y)
+        return y
+
+
+@pytest.mark.parametrize("between", ["functional_call", "eval", "assign"])
+def test_a_discard_and_a_nested_boundary_inside_a_layer_read_the_forwards_modules_after_a_change(
+        between: str) -> None:
+    def step(ours: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = _FastLayer()
+        if ours:
+            pytree_ckpt.apply_activation_checkpointing(layer)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.manual_seed(5)
+        own = list(layer.parameters())
+        extra: list[torch.Tensor | None] = []
+        if between == "functional_call":  # fast weights, backward after the call returned
+            fast = {k: (v.detach() * 1.5).requires_grad_() for k, v in layer.named_parameters()}
+            y = torch.func.functional_call(layer, fast, (x,))
+            (y * y).sum().backward()
+            extra = [fast[k].grad for k in sorted(fast)]
+        else:
+            y = layer(x)
+            if between == "eval":
+                layer.eval()
+            else:
+                layer.load_state_dict({k: v.detach() * 3 for k, v in layer.state_dict().items()},
+                                      assign=True)
+            (y * y).sum().backward()
+        return [x.grad, *(p.grad for p in own), *(p.grad for p in layer.parameters()), *extra]
+
+    eager, ours = step(False), step(True)
+    assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(ours, eager, strict=True))
+
+
+def test_an_error_in_the_replays_forward_leaves_the_modules_as_the_caller_left_them() -> None:
+    fail = [False]
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.n = self.n + 1
+            if fail[0] and pytree_ckpt.current_phase() == pytree_ckpt.Phase.RECOMPUTE:
+                raise ValueError("replay failed")
+            return self.lin(x) * self.n
+
+    layer = pytree_ckpt.apply_activation_checkpointing(Counting())
+    x = torch.randn(2, 4, requires_grad=True)
+    first, _ = layer(x).sum(), layer(x).sum()  # two micro-batches: n bound anew twice
+    now = layer.n
+    layer.eval()
+    fail[0] = True
+    with pytest.raises(ValueError, match="replay failed"):
+        first.backward()
+    assert layer.n is now and float(now) == 2.0
+    assert not layer.training and not layer.lin.training
