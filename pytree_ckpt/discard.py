@@ -66,7 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import checked_arguments, held_modules_known
+from .discard_arguments import checked_arguments, refuse_held_replaced
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -215,6 +215,9 @@ class CheckpointWithoutOutput:
         self.forward_hooks: ForwardHooks | None = None
         # NOTE [a module rebound before the replay] (rebound.py): a plain function's modules.
         self.bound: Bound | None = None
+        # The arguments, and the modules they held at the call (NOTE [an output discard's
+        # arguments]), for the rebuild's check.
+        self.held: tuple[tuple[Any, ...], list[nn.Module]] | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
         # trees; what the forward changed of them (NOTE [state the forward changes] in
         # state_changes.py, NOTE [discard lifetimes] 5).
@@ -251,8 +254,7 @@ class CheckpointWithoutOutput:
         owner = owning_module(fn)
         self.n_args = len(args)
         modules = [m for m in (owner, *args) if isinstance(m, nn.Module)]
-        if held_modules_known(fn, held):  # NOTE [an output discard's arguments]
-            modules += [m for m in held if not any(m is known for known in modules)]
+        modules += [m for m in held if not any(m is known for known in modules)]
         if modules:
             self.modules = modules
             trees = [module_dicts(m) for m in modules]
@@ -277,6 +279,11 @@ class CheckpointWithoutOutput:
                 self.checkpointed = True
                 return output
             self.state = ([d for tree in trees for d in tree.buffers], frozen, trees)
+            if owner is None and held:  # NOTE [an output discard's arguments]
+                self.params = None
+            if held:  # checked again at the rebuild; the containers alone (no tensor inputs)
+                self.held = (tuple(None if isinstance(a, torch.Tensor) else a for a in args),
+                             held)
         elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):
             # By identity, not id(): when dynamo traced this method (before NOTE [discard
@@ -503,6 +510,9 @@ class CheckpointWithoutOutput:
             return False  # its node is gone: nothing reads its output (NOTE [discard lifetimes] 3)
         if self.bound is not None:  # NOTE [a module rebound before the replay] (rebound.py)
             refuse_rebound(self.fn, self.bound, what="CheckpointWithoutOutput.checkpoint")
+        if self.held is not None:  # NOTE [an output discard's arguments]
+            refuse_held_replaced(self._name(), *self.held)
+            self.held = None
         watched, param_before = self.param_versions, None
         if watched is not None:
             assert self.params is not None

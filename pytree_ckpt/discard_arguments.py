@@ -15,13 +15,11 @@ from typing import Any, NoReturn, cast
 import torch
 from torch import nn
 
-from .discard_aliases import reachable_tensors
-from .errors import CheckpointConfigError
+from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
-from .module_state import owning_module
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["checked_arguments", "held_modules_known"]
+__all__ = ["checked_arguments", "refuse_held_replaced"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -34,14 +32,14 @@ __all__ = ["checked_arguments", "held_modules_known"]
 #   leaf] in tree.py): isinstance looks through it, so a walk would read it as what it
 #   refers to;
 # - a module held in a container, dataclass or namespace argument (`ckpt.checkpoint(fn, x,
-#   [norm])`) is one of the call's modules, as one passed directly: its parameters get their
-#   gradients from the op's node and the state its forward changes is watched (helper RB: in a
-#   dataclass or namespace its parameters were unknown, and backward refused them as foreign;
-#   in a list the call was an unknown callable's, and the rebuild updated a batch norm's
-#   running statistics a second time). Not for a plain function that also reaches a trainable
-#   tensor some other way (closing over `proj`, a global model): its parameters stay unknown,
-#   accumulated as a reentrant checkpoint does (held_modules_known; helper RI: made known, the
-#   held modules' alone were, and backward refused the closure's as foreign).
+#   [norm])`) is one of the call's modules: the state its forward changes is watched, and the
+#   rebuild changes copies (helper RB: the rebuild updated a batch norm's running statistics a
+#   second time; in a dataclass or namespace backward refused its parameters as foreign). Its
+#   parameters are known, as those of a module passed directly, where ``fn`` is a module or a
+#   method of one; for a plain function, which may reach other trainable tensors in ways no
+#   search finds (a closure, a plain object's method, a callable beside the module: helpers RI,
+#   RJ, refused as foreign once the held modules' were known), its parameters stay unknown,
+#   accumulated as a reentrant checkpoint does (discard.py).
 # The walk takes each object once (a node holding its parent, or itself, ends: helper RA, the
 # tree's walk raised RecursionError), is linear in the objects held and has no cap (helpers RB,
 # RC: a cap read as no tensor, or as one). It opens containers, namespaces and dataclasses
@@ -96,7 +94,8 @@ def _walk(value: object, root: str, /) -> Iterator[tuple[object, _Step, bool]]:
             stack.extend((v, step, k) for k, v in reversed(list(enumerate(item)))
                          if type(v) not in _EXACTLY_PLAIN)
         elif isinstance(item, (set, frozenset)):
-            stack.extend((v, step, ...) for v in item if type(v) not in _EXACTLY_PLAIN)
+            stack.extend((v, step, ...) for v in reversed(list(item))
+                         if type(v) not in _EXACTLY_PLAIN)
         elif isinstance(item, dict):
             keys = list(item)
             stack.extend((keys[n], step, ("key", n)) for n in range(len(keys) - 1, -1, -1)
@@ -192,11 +191,34 @@ def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     return held
 
 
-def held_modules_known(fn: Callable[..., Any], held: list[nn.Module], /) -> bool:
-    """Whether the modules held in ``fn``'s arguments are the call's known modules: unless
-    ``fn`` is a plain function reaching a trainable tensor other than their parameters (NOTE
-    [an output discard's arguments])."""
-    if not held or owning_module(fn) is not None:
-        return True
-    theirs = {id(p) for m in held for p in m.parameters()}
-    return not any(t.requires_grad and id(t) not in theirs for t in reachable_tensors(fn, ()))
+def held_in(args: tuple[Any, ...], /) -> list[tuple[nn.Module, str]]:
+    """The modules held in ``args``' containers, dataclasses and namespaces, in the order the
+    walk meets them, each with its path."""
+    found = []
+    for i, arg in enumerate(args):
+        if _opened(arg):
+            root = f"args[{i}]"
+            found += [(item, _path(step, root)) for item, step, _ in _walk(arg, root)
+                      if isinstance(item, nn.Module)]
+    return found
+
+
+def refuse_held_replaced(name: str, args: tuple[Any, ...], held: list[nn.Module], /) -> None:
+    """Refuse the rebuild of the op ``name`` when ``args`` no longer hold the modules ``held``
+    that its forward was given (a list entry swapped before backward: the rebuild would run
+    another module, and its gradients would go there: helper RI)."""
+    now = held_in(args)
+    then = [m for m in held]
+    for k in range(max(len(now), len(then))):
+        module, path = now[k] if k < len(now) else (None, "the arguments")
+        if k < len(then) and module is then[k]:
+            continue
+        raise CheckpointError(
+            f"a module held in an argument of {name} changed between its forward and this "
+            "backward: the rebuild would run another module than the forward ran, and give "
+            "its gradients there",
+            expected=f"{path}: the {type(then[k]).__name__} the forward was given"
+            if k < len(then) else "no module more",
+            got=f"{path}: " + (f"another {type(module).__name__}" if module is not None
+                               else "no module"),
+            tip="change the modules an argument holds between steps (after backward)")

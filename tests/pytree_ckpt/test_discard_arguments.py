@@ -40,14 +40,27 @@ def _block() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.25))
 
 
-def _step(block: nn.Module, hold: str, *, discard: bool, restricted: bool = False
-          ) -> list[torch.Tensor]:
-    """One step of ``tanh(block(x)) * 2``: x's gradient, the block's gradients and buffers."""
+class Applies(nn.Module):
+    """``tanh(held(a))``: the op as a module of its own, given the holder."""
+
+    def __init__(self, hold: str) -> None:
+        super().__init__()
+        self.read = HOLDERS[hold][1]
+
+    def forward(self, a: torch.Tensor, c: Any) -> torch.Tensor:
+        return torch.tanh(self.read(c)(a))
+
+
+def _step(block: nn.Module, hold: str, *, discard: bool, restricted: bool = False,
+          module: bool = False) -> list[torch.Tensor]:
+    """One step of ``tanh(block(x)) * 2``: x's gradient, the block's gradients and buffers.
+    ``module``: the op is a module (its held modules' parameters known), else a lambda."""
     wrap, read = HOLDERS[hold]
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
     params = list(block.parameters())
     torch.manual_seed(7)  # the dropout's draw
-    fn = lambda a, c: torch.tanh(read(c)(a))  # noqa: E731 - the op given the holder
+    fn: Callable[..., torch.Tensor] = Applies(hold) if module else \
+        (lambda a, c: torch.tanh(read(c)(a)))
     if discard:
         ckpt = CheckpointWithoutOutput()
         y = ckpt.checkpoint(fn, x, wrap(block))
@@ -64,13 +77,14 @@ def _step(block: nn.Module, hold: str, *, discard: bool, restricted: bool = Fals
     return [*grads, *(b.clone() for b in block.buffers())]
 
 
+@pytest.mark.parametrize("module", [False, True], ids=["lambda", "module"])
 @pytest.mark.parametrize("hold", sorted(HOLDERS))
 def test_a_module_held_in_an_argument_gives_eager_gradients_and_updates_its_state_once(
-        hold: str) -> None:
+        hold: str, module: bool) -> None:
     block = _block()
     eager_block, ours_block = copy.deepcopy(block), copy.deepcopy(block)
     eager = _step(eager_block, hold, discard=False)
-    ours = _step(ours_block, hold, discard=True)
+    ours = _step(ours_block, hold, discard=True, module=module)
     # Running statistics and num_batches_tracked: updated once, as in eager (a list's module
     # was an unknown callable's, updated again by the rebuild).
     assert len(ours) == len(eager) == 1 + 4 + 3
@@ -78,11 +92,13 @@ def test_a_module_held_in_an_argument_gives_eager_gradients_and_updates_its_stat
 
 
 @pytest.mark.parametrize("hold", ["list", "dataclass"])
-def test_a_module_held_in_an_argument_gets_its_gradients_from_a_restricted_backward(
+def test_a_module_held_in_an_argument_of_a_module_gets_its_gradients_from_a_restricted_backward(
         hold: str) -> None:
+    # The op a module: the held modules' parameters are known (a lambda's are not: a
+    # restricted backward refuses it, as docs/discard.md says)
     block = _block()
     eager = _step(copy.deepcopy(block), hold, discard=False, restricted=True)
-    ours = _step(copy.deepcopy(block), hold, discard=True, restricted=True)
+    ours = _step(copy.deepcopy(block), hold, discard=True, restricted=True, module=True)
     assert all(torch.equal(a, b) for a, b in zip(ours, eager, strict=True))
 
 
@@ -246,8 +262,10 @@ def test_a_held_module_swapped_in_its_list_before_backward_is_refused_not_rebuil
     z = ckpt.checkpoint(lambda a, c: torch.tanh(c[0](a)), x, holder) * 2
     ckpt.discard_output_and_register_recompute(z)
     holder[0] = other  # the rebuild would run `other`: eager's graph ran `block`
-    with pytest.raises(CheckpointError, match="neither an input nor a parameter"):
+    with pytest.raises(CheckpointError, match="held in an argument of .* changed between its "
+                       "forward and this backward") as info:
         z.sum().backward()
+    assert "args[1][0]: another Sequential" in str(info.value)
 
 
 class _CountingNorm(nn.Module):
@@ -268,10 +286,14 @@ class _HoldingLayer(nn.Module):
         super().__init__()
         self.norm, self.out = _CountingNorm(), nn.Linear(8, 8)
 
+    def normed(self, a: torch.Tensor, c: types.SimpleNamespace) -> torch.Tensor:
+        return torch.tanh(c.norm(a))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ckpt = CheckpointWithoutOutput()
-        y = ckpt.checkpoint(lambda a, c: torch.tanh(c.norm(a)), x,
-                            types.SimpleNamespace(norm=self.norm))
+        # A method: its module known, the held modules' parameters are (a lambda's are not,
+        # and inside a checkpointed layer it is refused: docs/discard.md)
+        y = ckpt.checkpoint(self.normed, x, types.SimpleNamespace(norm=self.norm))
         z = self.out(y)
         ckpt.discard_output_and_register_recompute(z)
         return z
@@ -297,3 +319,227 @@ def test_a_module_held_by_a_discard_in_a_checkpointed_layer_gives_eager_state_ov
 
     eager, ours = step(False), step(True)
     assert all(torch.equal(a, b) for a, b in zip(ours, eager, strict=True))
+
+
+# Helper RJ: review of 01f0961 (held_modules_known; the argument walk's paths made only for a
+# refusal, plain values not pushed, flatten only where the walk met an object it does not open).
+
+class _Runner:
+    """A plain object (not a module) whose method runs the op: ``self.m`` is a module."""
+
+    def __init__(self, m: nn.Module) -> None:
+        self.m = m
+
+    def run(self, a: torch.Tensor, c: Any) -> torch.Tensor:
+        return torch.tanh(self.m(c[0](a)))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def meth(self, a: torch.Tensor, c: Any) -> torch.Tensor:
+        return torch.tanh(c[0](self.lin(a)))
+
+
+_GLOBAL_PROJ: list[nn.Module] = []
+
+
+def _held_step(discard: bool, build: Callable[..., tuple[Callable[..., Any], Any]]
+               ) -> list[torch.Tensor | None]:
+    """``tanh(...)*2`` of an op given ``[norm]`` (or what ``build`` gives) that reaches ``proj``
+    (or a frozen module, the block) some way: x's gradient, every parameter's, bn's buffers."""
+    torch.manual_seed(0)
+    norm, proj, frozen, block, bn = (nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8),
+                                     _Block(), nn.BatchNorm1d(8))
+    frozen.requires_grad_(False)
+    x = torch.randn(3, 8, requires_grad=True)
+    fn, held = build(norm, proj, frozen, block, bn)
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        z = ckpt.checkpoint(fn, x, held) * 2
+        ckpt.discard_output_and_register_recompute(z)
+    else:
+        z = fn(x, held) * 2
+    (z * z).sum().backward()
+    modules = (norm, proj, frozen, block, bn)
+    return [x.grad, *(p.grad for m in modules for p in m.parameters()),
+            *(b.clone() for b in bn.buffers())]
+
+
+def _same(ours: list[torch.Tensor | None], eager: list[torch.Tensor | None]) -> bool:
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(ours, eager, strict=True))
+
+
+def _partial_over(n: nn.Module, p: nn.Module) -> Callable[..., Any]:
+    import functools
+
+    def op(m: nn.Module, a: torch.Tensor, c: Any) -> torch.Tensor:
+        return torch.tanh(m(c[0](a)))
+    return functools.partial(op, p)
+
+
+def _global_lambda(n: nn.Module, p: nn.Module) -> Callable[..., Any]:
+    _GLOBAL_PROJ[:] = [p]
+    return lambda a, c: torch.tanh(_GLOBAL_PROJ[0](c[0](a)))
+
+
+_KNOWN_ROUTES: dict[str, Callable[..., tuple[Callable[..., Any], Any]]] = {
+    "closure-frozen": lambda n, p, f, b, bn: (lambda a, c: torch.tanh(f(c[0](a))), [n]),
+    "closure-the-held-module": lambda n, p, f, b, bn: (lambda a, c: torch.tanh(n(c[0](a))), [n]),
+    "partial-binding-a-trainable-module": lambda n, p, f, b, bn: (_partial_over(n, p), [n]),
+    "default": lambda n, p, f, b, bn: (lambda a, c, m=p: torch.tanh(m(c[0](a))), [n]),
+    "global": lambda n, p, f, b, bn: (_global_lambda(n, p), [n]),
+    "closure-dict": lambda n, p, f, b, bn: ((lambda d: lambda a, c: torch.tanh(
+        d["p"](c[0](a))))({"p": p}), [n]),
+    "closure-parameter": lambda n, p, f, b, bn: ((lambda w: lambda a, c: torch.tanh(
+        c[0](a) @ w))(p.weight), [n]),
+    "module-method": lambda n, p, f, b, bn: (b.meth, [n]),
+    "held-batchnorm-closure-frozen": lambda n, p, f, b, bn: (
+        lambda a, c: torch.tanh(f(c.b(a))), types.SimpleNamespace(b=bn)),
+    "held-modulelist-of-a-trainable-module": lambda n, p, f, b, bn: (
+        lambda a, c: torch.tanh(c[1][0](c[0](a))), [n, nn.ModuleList([p])]),
+}
+
+
+@pytest.mark.parametrize("route", sorted(_KNOWN_ROUTES))
+def test_a_held_module_beside_what_the_op_reaches_otherwise_gives_eager_gradients_and_state(
+        route: str) -> None:
+    build = _KNOWN_ROUTES[route]
+    assert _same(_held_step(True, build), _held_step(False, build))
+
+
+_UNSEEN_ROUTES: dict[str, Callable[..., tuple[Callable[..., Any], Any]]] = {
+    "method-of-a-plain-object": lambda n, p, f, b, bn: (_Runner(p).run, [n]),
+    "closure-over-a-plain-object": lambda n, p, f, b, bn: ((lambda o: lambda a, c: torch.tanh(
+        o.m(c[0](a))))(_Runner(p)), [n]),
+    "closure-over-a-nested-dict": lambda n, p, f, b, bn: ((lambda d: lambda a, c: torch.tanh(
+        d["x"]["p"](c[0](a))))({"x": {"p": p}}), [n]),
+    "bound-method-of-another-module-held-beside": lambda n, p, f, b, bn: (
+        lambda a, c: torch.tanh(c[1](c[0](a))), [n, p.forward]),
+    "lambda-held-beside": lambda n, p, f, b, bn: (
+        lambda a, c: torch.tanh(c[1](c[0](a))), [n, lambda t: p(t)]),
+    "plain-object-held-beside": lambda n, p, f, b, bn: (
+        lambda a, c: torch.tanh(c[1].m(c[0](a))), [n, _Runner(p)]),
+}
+
+
+@pytest.mark.parametrize("route", sorted(_UNSEEN_ROUTES))
+def test_a_held_module_beside_a_module_reached_through_an_object_or_another_argument_gives_eager_gradients(
+        route: str) -> None:
+    build = _UNSEEN_ROUTES[route]
+    assert _same(_held_step(True, build), _held_step(False, build))
+
+
+def test_a_held_batchnorm_of_a_lambda_closing_over_a_trainable_module_updates_its_state_once(
+        ) -> None:
+    build = lambda n, p, f, b, bn: (lambda a, c: torch.tanh(p(c[0](a))), [bn])  # noqa: E731
+    ours, eager = _held_step(True, build), _held_step(False, build)
+    assert torch.equal(ours[-1], eager[-1])  # num_batches_tracked: 1, as in eager
+    assert _same(ours, eager)
+
+
+def test_a_tensor_in_a_set_is_refused_naming_the_first_in_the_sets_order() -> None:
+    u, t = torch.randn(2), torch.randn(2)
+    held = {(1, u), t}
+    first = "args[1]{...}" if isinstance(next(iter(held)), torch.Tensor) else "args[1]{...}[1]"
+    with pytest.raises(CheckpointConfigError) as info:
+        CheckpointWithoutOutput().checkpoint(lambda a, c: a * 2,
+                                             torch.randn(2, requires_grad=True), held)
+    assert f"holding a tensor at {first}\n" in str(info.value) + "\n" and \
+        f"holding a tensor at {first}[1]" not in str(info.value)
+
+
+@dataclasses.dataclass
+class _WithExtra:
+    a: Any = 1
+
+
+def _extra(t: torch.Tensor) -> _WithExtra:
+    held = _WithExtra(2)
+    held.zz = t  # type: ignore[attr-defined] - an attribute beyond the fields
+    return held
+
+
+@pytest.mark.parametrize(("make", "path"), [
+    (lambda t: [1, "a", None, 2.0, t], "[4]"),
+    (lambda t: {"a": 1, "b": (2, t)}, "['b'][1]"),
+    (lambda t: {"a": t, t: 1}, "['a']"),                          # a value before a key
+    (lambda t: Holder(m=1, t=t), ".t"),
+    (lambda t: _extra(t), ".zz"),
+    (lambda t: [Holder(m=[1, {"k": types.SimpleNamespace(v=t)}])], "[0].m[1]['k'].v"),
+])
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_tensor_held_anywhere_is_refused_naming_its_first_path_positionally_and_by_keyword(
+        make: Callable[[torch.Tensor], Any], path: str, keyword: bool) -> None:
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(CheckpointConfigError) as info:
+        if keyword:
+            CheckpointWithoutOutput().checkpoint(lambda a, c=None: torch.tanh(a), x, c=make(w))
+        else:
+            CheckpointWithoutOutput().checkpoint(lambda a, c: torch.tanh(a), x, make(w))
+    root = "kwargs['c']" if keyword else "args[1]"
+    assert f"at {root}{path}" in str(info.value).replace("holding one at", "at").replace(
+        "holding a tensor at", "at")
+
+
+def test_enum_values_among_arguments_are_plain_and_give_eager_gradients() -> None:
+    import enum
+
+    class Mode(enum.IntEnum):
+        A = 2
+
+    class Name(str, enum.Enum):
+        B = "b"
+    x = torch.randn(4, requires_grad=True)
+    config = [Mode.A, Name.B, {"k": Mode.A, Name.B: 3}]
+    fn = lambda a, c: torch.tanh(a * int(c[0]))  # noqa: E731
+    (fn(x, config) * 2).sum().backward()
+    eager = x.grad.clone()
+    x.grad = None
+    ckpt = CheckpointWithoutOutput()
+    z = ckpt.checkpoint(fn, x, config) * 2
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    assert torch.equal(x.grad, eager)
+
+
+def test_an_optree_node_holding_a_tensor_inside_a_list_or_dataclass_is_refused_at_the_call(
+        ) -> None:
+    import optree
+
+    class Node:
+        def __init__(self, v: Any) -> None:
+            self.v = v
+    optree.register_pytree_node(Node, lambda n: ([n.v], None, None),  # type: ignore[arg-type]
+                                lambda _, c: Node(c[0]), namespace="pytree_ckpt")
+    x = torch.randn(4, requires_grad=True)
+    for held in ([1, Node(torch.randn(4))], Holder(m=Node(torch.randn(4)))):
+        with pytest.raises(CheckpointConfigError, match=r"holding a tensor at args\[1\]"):
+            CheckpointWithoutOutput().checkpoint(lambda a, c: torch.tanh(a), x, held)
+
+
+@pytest.mark.parametrize(("make", "path"), [
+    (lambda p: [1, p], "[1]"),
+    (lambda p: {"a": p}, "['a']"),
+    (lambda p: types.SimpleNamespace(q=p), ".q"),
+    (lambda p: Holder(m=1, t=p), ".t"),
+    (lambda p: [Holder(m=[p])], "[0].m[0]"),
+])
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_weakref_proxy_held_anywhere_is_refused_naming_its_path(
+        make: Callable[[Any], Any], path: str, keyword: bool) -> None:
+    import weakref
+    target = _Runner(nn.Identity())
+    held = make(weakref.proxy(target))
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(CheckpointError) as info:
+        if keyword:
+            CheckpointWithoutOutput().checkpoint(lambda a, c=None: torch.tanh(a), x, c=held)
+        else:
+            CheckpointWithoutOutput().checkpoint(lambda a, c: torch.tanh(a), x, held)
+    root = "kwargs['c']" if keyword else "args[1]"
+    assert f"weakref.proxy to a _Runner at {root}{path}" in str(info.value)
