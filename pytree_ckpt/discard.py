@@ -66,7 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import checked_arguments, refuse_held_replaced
+from .discard_arguments import checked_arguments, held_in, refuse_held_replaced
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -217,7 +217,7 @@ class CheckpointWithoutOutput:
         self.bound: Bound | None = None
         # The arguments, and the modules they held at the call (NOTE [an output discard's
         # arguments]), for the rebuild's check.
-        self.held: tuple[tuple[Any, ...], list[nn.Module]] | None = None
+        self.held: tuple[tuple[Any, ...], list[tuple[nn.Module, str]]] | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
         # trees; what the forward changed of them (NOTE [state the forward changes] in
         # state_changes.py, NOTE [discard lifetimes] 5).
@@ -282,8 +282,8 @@ class CheckpointWithoutOutput:
             if owner is None and held:  # NOTE [an output discard's arguments]
                 self.params = None
             if held:  # checked again at the rebuild; the containers alone (no tensor inputs)
-                self.held = (tuple(None if isinstance(a, torch.Tensor) else a for a in args),
-                             held)
+                containers = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+                self.held = (containers, held_in(containers))
         elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):
             # By identity, not id(): when dynamo traced this method (before NOTE [discard

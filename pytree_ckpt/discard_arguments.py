@@ -19,7 +19,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["checked_arguments", "refuse_held_replaced"]
+__all__ = ["checked_arguments", "held_in", "refuse_held_replaced"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -203,22 +203,22 @@ def held_in(args: tuple[Any, ...], /) -> list[tuple[nn.Module, str]]:
     return found
 
 
-def refuse_held_replaced(name: str, args: tuple[Any, ...], held: list[nn.Module], /) -> None:
-    """Refuse the rebuild of the op ``name`` when ``args`` no longer hold the modules ``held``
-    that its forward was given (a list entry swapped before backward: the rebuild would run
-    another module, and its gradients would go there: helper RI)."""
-    now = held_in(args)
-    then = [m for m in held]
-    for k in range(max(len(now), len(then))):
-        module, path = now[k] if k < len(now) else (None, "the arguments")
-        if k < len(then) and module is then[k]:
+def refuse_held_replaced(name: str, args: tuple[Any, ...], held: list[tuple[nn.Module, str]],
+                         /) -> None:
+    """Refuse the rebuild of the op ``name`` when a place in ``args`` that held a module at the
+    call (``held``: from ``held_in``) holds another now, or none (a list entry swapped before
+    backward: the rebuild would run another module, and its gradients would go there: helper
+    RI). By place, not by order: a module put back where it was passes (helper RK)."""
+    now = {path: module for module, path in held_in(args)}
+    for module, path in held:
+        current = now.get(path)
+        if current is module:
             continue
         raise CheckpointError(
             f"a module held in an argument of {name} changed between its forward and this "
             "backward: the rebuild would run another module than the forward ran, and give "
             "its gradients there",
-            expected=f"{path}: the {type(then[k]).__name__} the forward was given"
-            if k < len(then) else "no module more",
-            got=f"{path}: " + (f"another {type(module).__name__}" if module is not None
+            expected=f"{path}: the {type(module).__name__} the forward was given",
+            got=f"{path}: " + (f"another {type(current).__name__}" if current is not None
                                else "no module"),
             tip="change the modules an argument holds between steps (after backward)")

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from pytree_ckpt import CheckpointConfigError, CheckpointError, CheckpointWithoutOutput
+from pytree_ckpt import (CheckpointConfigError, CheckpointError, CheckpointWithoutOutput,
+                         CheckpointWithoutOutputManager)
 
 
 @dataclasses.dataclass
@@ -543,3 +544,106 @@ def test_a_weakref_proxy_held_anywhere_is_refused_naming_its_path(
             CheckpointWithoutOutput().checkpoint(lambda a, c: torch.tanh(a), x, held)
     root = "kwargs['c']" if keyword else "args[1]"
     assert f"weakref.proxy to a _Runner at {root}{path}" in str(info.value)
+
+
+# Helper RK: refuse_held_replaced against harmless changes of a container between forward and
+# backward, each against its eager twin.
+
+def _held_dict_run(change: Callable[[dict[str, Any]], None] | None, discard: bool,
+                   ) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    norm, other, proj = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    held = {"n": norm, "m": other}
+
+    def op(x: torch.Tensor, d: dict[str, Any]) -> torch.Tensor:
+        return d["n"](x) + d["m"](x)
+
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(op, x, held))
+        ckpt.discard_output_and_register_recompute(out)
+    else:
+        out = proj(op(x, held))
+    if change is not None:
+        change(held)
+    out.sum().backward()
+    return [t.grad.clone() for t in (x, *norm.parameters(), *other.parameters())]
+
+
+def _rk_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def _append_plain(d: dict[str, Any]) -> None:
+    d["step"] = 3
+
+
+def _set_same(d: dict[str, Any]) -> None:
+    d["n"] = d["n"]
+
+
+def test_a_held_modules_dict_given_a_plain_entry_or_the_same_module_again_gives_eager_gradients(
+) -> None:
+    for change in (_append_plain, _set_same):
+        assert _rk_same(_held_dict_run(change, True), _held_dict_run(None, False))
+
+
+def test_a_held_module_reinserted_under_its_own_key_gives_eager_gradients() -> None:
+    def reinsert(d: dict[str, Any]) -> None:
+        d["n"] = d.pop("n")
+
+    assert _rk_same(_held_dict_run(reinsert, True), _held_dict_run(None, False))
+
+
+def test_a_held_list_with_a_plain_value_appended_and_a_module_held_twice_gives_eager_gradients(
+) -> None:
+    def run(discard: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+        x = torch.randn(4, 8, requires_grad=True)
+        held: list[Any] = [norm, norm]
+
+        def op(x: torch.Tensor, ms: list[Any]) -> torch.Tensor:
+            return ms[0](x) * ms[1](x)
+
+        if discard:
+            ckpt = CheckpointWithoutOutput()
+            out = proj(ckpt.checkpoint(op, x, held))
+            ckpt.discard_output_and_register_recompute(out)
+        else:
+            out = proj(op(x, held))
+        held.append(2.0)
+        out.sum().backward()
+        return [t.grad.clone() for t in (x, *norm.parameters())]
+
+    assert _rk_same(run(True), run(False))
+
+
+def test_a_manager_chaining_ops_given_held_modules_gives_eager_gradients_and_state() -> None:
+    torch.manual_seed(0)
+    make = lambda: nn.ModuleDict(dict(n=nn.LayerNorm(8), bn=nn.BatchNorm1d(8),  # noqa: E731
+                                      proj=nn.Linear(8, 8)))
+    eager = make()
+    lib = copy.deepcopy(eager)
+    x0 = torch.randn(4, 8)
+
+    def first(x: torch.Tensor, d: dict[str, nn.Module]) -> torch.Tensor:
+        return d["n"](x).relu()
+
+    def second(x: torch.Tensor, held: tuple[nn.Module, ...]) -> torch.Tensor:
+        return held[0](x) * 3
+
+    xe = x0.clone().requires_grad_()
+    eager.proj(second(first(xe, {"n": eager.n}), (eager.bn,))).sum().backward()
+    xl = x0.clone().requires_grad_()
+    manager = CheckpointWithoutOutputManager()
+    a = manager.checkpoint(first, xl, {"n": lib.n})
+    out = lib.proj(manager.checkpoint(second, a, (lib.bn,)))
+    manager.discard_all_outputs_and_register_unified_recompute(out)
+    out.sum().backward()
+    assert xe.grad is not None and xl.grad is not None and torch.equal(xe.grad, xl.grad)
+    for (name, p), q in zip(eager.named_parameters(), lib.parameters()):
+        assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad), name
+    for b, c in zip(eager.buffers(), lib.buffers()):
+        assert torch.equal(b, c)
