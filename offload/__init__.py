@@ -7,7 +7,7 @@ from .config import OffloadConfig
 from .defaults import default_manager, env_flag
 from .manager import OffloadManager
 from .pool import HostPool, size_class
-from .window import Window
+from .window import OffloadHandle, Window
 
-__all__ = ["HostPool", "OffloadConfig", "OffloadManager", "Window", "default_manager", "env_flag",
-           "size_class"]
+__all__ = ["HostPool", "OffloadConfig", "OffloadHandle", "OffloadManager", "Window",
+           "default_manager", "env_flag", "size_class"]

@@ -56,7 +56,7 @@ from .prefetch import Prefetch
 from .storages import plain_kind, plain_storage_key, refuse_non_tensors, window_keys
 from .streams import CopyEngine
 from .unpacking import unpack_handle
-from .window import Flattened, Handle, Pass, Window
+from .window import Flattened, Handle, OffloadHandle, Pass, Window
 
 __all__ = ["OffloadManager"]
 
@@ -319,7 +319,7 @@ class OffloadManager:
                 "torch.cuda.set_device() before applying checkpointing with offload=True or "
                 "XTUNER_ACTIVATION_OFFLOAD=1", self.device, tensor.device, str(tensor.device))
 
-    def offload_into(self, window: Window, tensor: torch.Tensor, /) -> Any:
+    def offload_into(self, window: Window, tensor: torch.Tensor, /) -> OffloadHandle:
         """Offload ``tensor`` (not saved by autograd: a replay frame's result) in ``window``.
 
         Returns an opaque handle: always pass it to ``restore``. Where the window rule says no
@@ -348,7 +348,7 @@ class OffloadManager:
                     window.keys.setdefault(key, None)
             return self._pack(window, tensor)
 
-    def restore(self, packed: Any, /) -> torch.Tensor:
+    def restore(self, packed: OffloadHandle, /) -> torch.Tensor:
         """The tensor behind a handle from ``offload_into`` (restoring it if needed)."""
         if not isinstance(packed, (Handle, Unchanged, Flattened)):
             raise CheckpointConfigError(

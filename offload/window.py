@@ -20,7 +20,7 @@ import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the manager builds these objects; they only read and count 
     from .lanes import Lane
     from .manager import OffloadManager
 
-__all__ = ["Copy", "Handle", "HostHolder", "Pass", "Window"]
+__all__ = ["Copy", "Handle", "HostHolder", "OffloadHandle", "Pass", "Window"]
 
 
 class Copy:
@@ -590,3 +590,8 @@ class Flattened:
         return [held for inner in self.inner.values()
                 for held in ([inner] if isinstance(inner, Unchanged) else
                              inner.left_on_device() if isinstance(inner, Flattened) else [])]
+
+
+# What OffloadManager.offload_into returns and restore takes, named for a type checker (helper
+# RL: typed Any, `restore(tensor)` passed one, and the library refused it at run time).
+OffloadHandle: TypeAlias = Handle | Unchanged | Flattened

@@ -101,28 +101,29 @@ def _unit(value: object, /) -> SaveUnit:
                 "Megatron-Core')") from None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RecomputeConfig:
     """Which layers are recomputed (``ratio``) and what stays resident in them (``save``)."""
 
-    ratio: float = 1.0
-    # Given as any sequence of units or their names; stored as a tuple of SaveUnit. An option,
-    # so keyword-only: RecomputeConfig(0.5, save=["attn"]).
-    save: Sequence[SaveUnit | str] | bool | None = dataclasses.field(default=None, kw_only=True)
+    ratio: float
+    # Given as any sequence of units or their names, stored as a tuple of SaveUnit: typed as
+    # stored, so that a type checker reads `unit.value` off it (helper RL: typed as given, a
+    # str in the union refused that).
+    save: tuple[SaveUnit, ...] | bool | None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ratio", validate_ratio(self.ratio))
-        save = self.save
-        if save is None or isinstance(save, bool):
-            return
-        if isinstance(save, (str, bytes, SaveUnit)) or not isinstance(save, Sequence):
-            raise CheckpointConfigError(
-                "RecomputeConfig.save takes None, a bool, or a list of save units",
-                expected="None | bool | list[SaveUnit | str]", got=repr(save),
-                tip=_OPS_TIP if _torch_ops(save) else "wrap a single unit in a list: "
-                                                      "save=['attn']")
-        units = tuple(dict.fromkeys(_unit(v) for v in save))
-        object.__setattr__(self, "save", units)
+    def __init__(self, ratio: float = 1.0, *,
+                 save: Sequence[SaveUnit | str] | bool | None = None) -> None:
+        # save is an option, so keyword-only: RecomputeConfig(0.5, save=["attn"]).
+        object.__setattr__(self, "ratio", validate_ratio(ratio))
+        if save is not None and not isinstance(save, bool):
+            if isinstance(save, (str, bytes, SaveUnit)) or not isinstance(save, Sequence):
+                raise CheckpointConfigError(
+                    "RecomputeConfig.save takes None, a bool, or a list of save units",
+                    expected="None | bool | list[SaveUnit | str]", got=repr(save),
+                    tip=_OPS_TIP if _torch_ops(save) else "wrap a single unit in a list: "
+                                                          "save=['attn']")
+            save = tuple(dict.fromkeys(_unit(v) for v in save))
+        object.__setattr__(self, "save", save)
 
     def to_json(self) -> str:
         """The config as JSON (``from_json`` reads it back)."""

@@ -127,6 +127,122 @@ SNIPPETS = {
                     lambda t, layer=layer: layer(t), h) + ids.float().mean()
             return h
     """,
+    # docs/save_units.md: `assert cfg.save == (SaveUnit.ATTN, SaveUnit.MOE_GATE)`: the stored
+    # field is a tuple of units, so a user reads `.value` off each (helper RL).
+    "recompute_config_save": """
+        from pytree_ckpt import RecomputeConfig, SaveUnit
+
+        cfg = RecomputeConfig(0.5, save=["attn", "moe_gate"])
+        assert cfg.save == (SaveUnit.ATTN, SaveUnit.MOE_GATE)
+
+        def kept_names(config: RecomputeConfig) -> list[str]:
+            if config.save is None or isinstance(config.save, bool):
+                return []
+            return [unit.value for unit in config.save]
+    """,
+    # docs/offload.md, "the window rule": `manager.offload_into(window, tensor)` returns an
+    # opaque handle, `manager.restore(handle)` takes it back; the tensor itself is refused.
+    "offload_handle": """
+        import torch
+
+        import offload
+
+        manager = offload.OffloadManager(offload.OffloadConfig(min_bytes=0), device="cpu")
+        t = torch.randn(2)
+        with manager.window([t]) as window:
+            handle = manager.offload_into(window, t)
+        back: torch.Tensor = manager.restore(handle)
+        manager.restore(t)  # WRONG ARGUMENTS
+    """,
+    # docs/census.md: `census.flagged()` lists storages; each row has fixed keys.
+    "census_flagged": """
+        import pytree_ckpt
+
+        with pytree_ckpt.ActivationCensus() as census:
+            pass
+        for row in census.flagged():
+            reveal_type(row["bytes"])
+            reveal_type(row["module"])
+    """,
+    # The rest of both packages' __all__, used as README.md and docs/*.md write it, with
+    # precise annotations (helper RL): every name type-checks, none of these values is Any.
+    "whole_api": """
+        import json
+
+        import torch
+        from torch import nn
+
+        import offload
+        import pytree_ckpt
+        from offload import (HostPool, OffloadConfig, OffloadManager, Window, default_manager,
+                             env_flag, size_class)
+        from pytree_ckpt import (CheckpointConfigError, CheckpointError, KeptCallables, KeptOps,
+                                 Mechanism, Phase, RecomputeConfig, RecomputeTarget,
+                                 RecomputeTargetMap, ReplayMismatchError,
+                                 ResidualStreamRecomputeContext, ReuseError, SaveUnit,
+                                 SavedTensorChanged)
+
+        class Layer(nn.Module):
+            def indexer(self, x: torch.Tensor, k: int) -> torch.Tensor:
+                return x.topk(k).indices
+
+        config = OffloadConfig(min_bytes=1024, prefetch=1)
+        sizes: tuple[int, int, bool | None] = (config.min_bytes, config.prefetch,
+                                               config.pin_memory)
+        manager: OffloadManager = OffloadManager(config, device="cpu")
+        stats: dict[str, float] = manager.stats(reset=True)
+        events: list[tuple[str, int]] = manager.events()
+        default: OffloadManager = default_manager()
+        flag: bool = env_flag("XTUNER_ACTIVATION_OFFLOAD")
+        sized: int = size_class(4097, pinned=True)
+        pool: HostPool = manager.pool
+        pool.reserve([4096])
+        with manager.window([torch.randn(2)]) as window:
+            w: Window = window
+            described: str = window.describe(("x", 0))
+        resolved: OffloadManager | None = pytree_ckpt.resolve_offload(True)
+
+        layers = nn.ModuleList(Layer() for _ in range(4))
+        chosen: list[int] = pytree_ckpt.checkpoint_layers(layers, ratio=1.0, offload=manager,
+                                                          verify_replay=True)
+        one: Layer = pytree_ckpt.apply_activation_checkpointing(
+            Layer(), offload=manager, check_fn=lambda m: isinstance(m, nn.Linear))
+        wrapped: bool = pytree_ckpt.is_checkpointed(layers[0])
+        phase: Phase = pytree_ckpt.current_phase()
+        plain: bool = phase == "plain"
+
+        cfg = RecomputeConfig(0.5, save=["attn", SaveUnit.MOE_GATE])
+        again: RecomputeConfig = RecomputeConfig.from_json(cfg.to_json())
+        targets: dict[SaveUnit, RecomputeTarget] = {SaveUnit.ATTN: KeptOps("aten::mm"),
+                                                   SaveUnit.MOE_GATE: KeptCallables(Layer.indexer)}
+        read_only: RecomputeTargetMap = targets
+        kept: list[int] = pytree_ckpt.apply_recompute_config(layers, cfg, targets, offload=manager)
+
+        plan: list[ResidualStreamRecomputeContext] = (
+            pytree_ckpt.build_residual_stream_recompute_plan(4, 3, atomic_layer_pairs=[(0, 1)]))
+        fields: tuple[int, int, bool] = (plan[0].layer_index, plan[0].block_index,
+                                         plan[0].is_block_end)
+        block: pytree_ckpt.CheckpointWithoutOutputManager = plan[0].manager
+        with pytree_ckpt.detect_discarded_reads():
+            pass
+
+        with pytree_ckpt.ActivationCensus(layers) as census:
+            pass
+        report: str = census.report()
+        by_module: dict[str, int] = census.bytes_by("module")
+        held: tuple[int, int] = (census.total_bytes, census.discarded_bytes)
+        data = json.dumps(census.to_dict())
+        mechanism: str = Mechanism.AUTOGRAD.value
+
+        error: CheckpointError = CheckpointConfigError("bad")
+        also: ValueError = CheckpointConfigError("bad")
+        for kind in (ReplayMismatchError, ReuseError):
+            error = kind("what")
+        try:
+            pass
+        except SavedTensorChanged as changed:
+            versions: tuple[int, int] = (changed.saved_version, changed.version)
+    """,
 }
 
 
@@ -209,3 +325,75 @@ def test_the_lambda_with_a_default_docs_limits_recommends_type_checks_with_check
     # reuse_during_recompute's, the discards'): mypy --strict (and plain mypy) said 'Cannot
     # infer type of lambda' for each, where Callable[..., T] takes them.
     assert not _errors(mypy_report["lambda_with_a_default"]), mypy_report["lambda_with_a_default"]
+
+
+def _flagged_wrong_lines(report: dict[str, list[str]], snippet: str) -> tuple[list[int], list[int]]:
+    code = textwrap.dedent(SNIPPETS[snippet]).lstrip().splitlines()
+    wrong = [i for i, line in enumerate(code, 1) if "WRONG ARGUMENTS" in line]
+    flagged = sorted({int(line.split(":", 1)[0]) for line in _errors(report[snippet])})
+    return wrong, flagged
+
+
+def test_recompute_config_save_reads_back_as_the_tuple_of_save_units_the_docs_compare_it_with(
+        mypy_report: dict[str, list[str]]) -> None:
+    # docs/save_units.md asserts cfg.save == (SaveUnit.ATTN, SaveUnit.MOE_GATE), and
+    # __post_init__ stores tuple(SaveUnit); --strict refuses `unit.value` on the read
+    # ('Item "str" of "SaveUnit | str" has no attribute "value"').
+    assert not _errors(mypy_report["recompute_config_save"]), mypy_report["recompute_config_save"]
+
+
+def test_offload_restore_takes_only_the_handle_offload_into_returns_for_a_type_checker(
+        mypy_report: dict[str, list[str]]) -> None:
+    wrong, flagged = _flagged_wrong_lines(mypy_report, "offload_handle")
+    assert len(wrong) == 1 and flagged == wrong, mypy_report["offload_handle"]
+
+
+def test_census_flagged_rows_have_typed_fields(mypy_report: dict[str, list[str]]) -> None:
+    lines = mypy_report["census_flagged"]
+    revealed = [line.split("Revealed type is ", 1)[1] for line in lines if "Revealed" in line]
+    assert len(revealed) == 2 and '"Any"' not in revealed, lines
+
+
+def test_every_public_name_of_both_packages_type_checks_as_the_docs_use_it(
+        mypy_report: dict[str, list[str]]) -> None:
+    assert not _errors(mypy_report["whole_api"]), mypy_report["whole_api"]
+
+
+def test_the_public_entry_points_take_their_subject_by_position_and_options_by_keyword() -> None:
+    import inspect
+
+    import offload
+    import pytree_ckpt
+
+    primary = {pytree_ckpt.checkpoint: "fn", pytree_ckpt.checkpointed: "fn",
+               pytree_ckpt.reuse_during_recompute: "fn",
+               pytree_ckpt.apply_activation_checkpointing: "module",
+               pytree_ckpt.remove_activation_checkpointing: "module",
+               pytree_ckpt.checkpoint_layers: "layers", pytree_ckpt.is_checkpointed: "module",
+               pytree_ckpt.resolve_offload: "offload", offload.env_flag: "name",
+               offload.size_class: "nbytes"}
+    for function, name in primary.items():
+        first = next(iter(inspect.signature(function).parameters.values()))
+        assert (first.name, first.kind) == (name, inspect.Parameter.POSITIONAL_ONLY), function
+    options = {pytree_ckpt.checkpointed: ["preserve_rng_state", "offload", "verify_replay"],
+               pytree_ckpt.apply_activation_checkpointing: ["preserve_rng_state", "offload",
+                                                            "verify_replay", "check_fn"],
+               pytree_ckpt.checkpoint_layers: ["ratio", "preserve_rng_state", "offload",
+                                               "verify_replay"],
+               pytree_ckpt.apply_recompute_config: ["preserve_rng_state", "offload",
+                                                    "verify_replay"],
+               pytree_ckpt.build_residual_stream_recompute_plan: ["atomic_layer_pairs",
+                                                                  "verify_replay"],
+               pytree_ckpt.RecomputeConfig: ["save"], offload.OffloadConfig: ["min_bytes",
+                                                                              "prefetch",
+                                                                              "pin_memory"],
+               offload.OffloadManager: ["device"], offload.size_class: ["pinned"],
+               pytree_ckpt.CheckpointWithoutOutputManager: ["preserve_rng_state",
+                                                            "verify_replay"]}
+    for function, names in options.items():
+        parameters = inspect.signature(function).parameters
+        assert all(parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in names), function
+    # every __all__ name is importable from its package
+    for package in (pytree_ckpt, offload):
+        for name in package.__all__:
+            assert getattr(package, name) is not None
