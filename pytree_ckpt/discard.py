@@ -66,7 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import checked_arguments, held_in, refuse_held_replaced
+from .discard_arguments import checked_arguments, refuse_held_replaced
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -247,7 +247,8 @@ class CheckpointWithoutOutput:
                              tip="checkpoint each module it holds on its own: one "
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
-        held = checked_arguments(fn, args, kwargs)  # NOTE [an output discard's arguments]
+        places = checked_arguments(fn, args, kwargs)  # NOTE [an output discard's arguments]
+        held = list({id(m): m for m, _ in places}.values())
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs
@@ -282,8 +283,8 @@ class CheckpointWithoutOutput:
             if owner is None and held:  # NOTE [an output discard's arguments]
                 self.params = None
             if held:  # checked again at the rebuild; the containers alone (no tensor inputs)
-                containers = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
-                self.held = (containers, held_in(containers))
+                self.held = (tuple(None if isinstance(a, torch.Tensor) else a for a in args),
+                             places)
         elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):
             # By identity, not id(): when dynamo traced this method (before NOTE [discard
@@ -511,7 +512,8 @@ class CheckpointWithoutOutput:
         if self.bound is not None:  # NOTE [a module rebound before the replay] (rebound.py)
             refuse_rebound(self.fn, self.bound, what="CheckpointWithoutOutput.checkpoint")
         if self.held is not None:  # NOTE [an output discard's arguments]
-            refuse_held_replaced(self._name(), *self.held)
+            assert self.fn is not None
+            refuse_held_replaced(self.fn, *self.held)
             self.held = None
         watched, param_before = self.param_versions, None
         if watched is not None:

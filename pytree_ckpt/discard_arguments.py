@@ -75,8 +75,9 @@ def _path(step: _Step, root: str, /) -> str:
 
 
 def _walk(value: object, root: str, /) -> Iterator[tuple[object, _Step, bool]]:
-    """Each object reachable in ``value`` as the NOTE says, once: the object, its step and
-    whether the walk opened it; a weakref.proxy on the way is refused, named by its path."""
+    """Each object reachable in ``value`` as the NOTE says: the object, its step and whether
+    the walk opened it; what it opens once, a tensor, module or plain value at each place it is
+    held. A weakref.proxy on the way is refused, named by its path."""
     seen: set[int] = set()
     stack: list[_Step] = [(value, None, None)]
     while stack:
@@ -84,12 +85,12 @@ def _walk(value: object, root: str, /) -> Iterator[tuple[object, _Step, bool]]:
         item = step[0]
         if is_proxy(item):  # before isinstance, which a proxy answers for what it refers to
             raise proxy_refused(item, _path(step, root))
+        if isinstance(item, (torch.Tensor, nn.Module) + _PLAIN):
+            yield item, step, False  # at each place it is held (helper RM)
+            continue
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, (torch.Tensor, nn.Module) + _PLAIN):
-            yield item, step, False
-            continue
         if isinstance(item, (list, tuple)):
             stack.extend((v, step, k) for k, v in reversed(list(enumerate(item)))
                          if type(v) not in _EXACTLY_PLAIN)
@@ -123,17 +124,16 @@ def _opened(value: object, /) -> bool:
 
 
 def _look(value: object, root: str, refuse: Callable[[str], NoReturn], /, *,
-          modules_too: bool) -> list[nn.Module]:
-    """The modules held in ``value``; ``refuse`` is called with the path of a tensor (or,
-    ``modules_too``, of a module) held in it."""
-    held: list[nn.Module] = []
+          modules_too: bool) -> list[tuple[nn.Module, str]]:
+    """The modules held in ``value``, each at every place it is held, with its path; ``refuse``
+    is called with the path of a tensor (or, ``modules_too``, of a module) held in it."""
+    held: list[tuple[nn.Module, str]] = []
     other = False
     for item, step, opened in _walk(value, root):
         if isinstance(item, torch.Tensor) or modules_too and isinstance(item, nn.Module):
             refuse(_path(step, root))
         if isinstance(item, nn.Module):
-            if not any(item is m for m in held):
-                held.append(item)
+            held.append((item, _path(step, root)))
         elif not opened and not isinstance(item, _PLAIN):
             other = True
     if other:
@@ -170,9 +170,10 @@ def _refuse_keyword(fn: Callable[..., Any], key: str, value: object, path: str, 
 
 
 def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                      /) -> list[nn.Module]:
+                      /) -> list[tuple[nn.Module, str]]:
     """Refuse what NOTE [an output discard's arguments] refuses; return the modules held inside
-    ``args``' containers, dataclasses and namespaces, each once, in the order found."""
+    ``args``' containers, dataclasses and namespaces, each at every place it is held, with the
+    place's path, in the order met."""
     for i, arg in enumerate(args):  # NOTE [a weakref.proxy leaf] (tree.py): helper NY
         if is_proxy(arg):
             raise proxy_refused(arg, f"args[{i}] of {callable_name(fn)}")
@@ -182,43 +183,44 @@ def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         if not isinstance(value, _PLAIN):
             _look(value, f"kwargs[{key!r}]", functools.partial(_refuse_keyword, fn, key, value),
                   modules_too=True)
-    held: list[nn.Module] = []
+    return held_in(args, fn)
+
+
+def held_in(args: tuple[Any, ...], fn: Callable[..., Any], /) -> list[tuple[nn.Module, str]]:
+    """The modules held in ``args``' containers, dataclasses and namespaces, at each place,
+    with its path; a tensor held there is refused (a discard of ``fn``)."""
+    held: list[tuple[nn.Module, str]] = []
     for i, arg in enumerate(args):
         if _opened(arg):
-            found = _look(arg, f"args[{i}]", functools.partial(_refuse_held_tensor, fn, i, arg),
+            held += _look(arg, f"args[{i}]", functools.partial(_refuse_held_tensor, fn, i, arg),
                           modules_too=False)
-            held += [m for m in found if not any(m is known for known in held)]
     return held
 
 
-def held_in(args: tuple[Any, ...], /) -> list[tuple[nn.Module, str]]:
-    """The modules held in ``args``' containers, dataclasses and namespaces, in the order the
-    walk meets them, each with its path."""
-    found = []
-    for i, arg in enumerate(args):
-        if _opened(arg):
-            root = f"args[{i}]"
-            found += [(item, _path(step, root)) for item, step, _ in _walk(arg, root)
-                      if isinstance(item, nn.Module)]
-    return found
-
-
-def refuse_held_replaced(name: str, args: tuple[Any, ...], held: list[tuple[nn.Module, str]],
-                         /) -> None:
-    """Refuse the rebuild of the op ``name`` when a place in ``args`` that held a module at the
-    call (``held``: from ``held_in``) holds another now, or none (a list entry swapped before
-    backward: the rebuild would run another module, and its gradients would go there: helper
-    RI). By place, not by order: a module put back where it was passes (helper RK)."""
-    now = {path: module for module, path in held_in(args)}
-    for module, path in held:
-        current = now.get(path)
-        if current is module:
+def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...],
+                         held: list[tuple[nn.Module, str]], /) -> None:
+    """Refuse the rebuild of a discard of ``fn`` when the places in ``args`` that hold modules
+    now are not those that held them at the call (``held``, from ``held_in``), or hold others
+    (a list entry swapped before backward: the rebuild would run another module, and its
+    gradients would go there: helper RI; one appended to a list the op loops over: helper RM).
+    By place, not by order: a module put back where it was passes (helper RK), and so does one
+    of the call's modules set at a new place too."""
+    then = dict((path, module) for module, path in held)
+    now = dict((path, module) for module, path in held_in(args, fn))
+    given = {id(module) for module, _ in held}
+    for path in [*then, *(p for p in now if p not in then)]:
+        was, current = then.get(path), now.get(path)
+        # A place new since the call may hold a module the call was given (set there too:
+        # RM's `ns.last = norm`), not another
+        if was is current or was is None and current is not None and id(current) in given:
             continue
         raise CheckpointError(
-            f"a module held in an argument of {name} changed between its forward and this "
-            "backward: the rebuild would run another module than the forward ran, and give "
-            "its gradients there",
-            expected=f"{path}: the {type(module).__name__} the forward was given",
-            got=f"{path}: " + (f"another {type(current).__name__}" if current is not None
-                               else "no module"),
+            f"a module held in an argument of {callable_name(fn)} changed between its forward "
+            "and this backward: the rebuild would run other modules than the forward ran, and "
+            "give their gradients there",
+            expected=f"{path}: " + (f"the {type(was).__name__} the forward was given"
+                                    if was is not None else "no module"),
+            got=f"{path}: " + (f"another {type(current).__name__}" if current is not None and
+                               was is not None else type(current).__name__
+                               if current is not None else "no module"),
             tip="change the modules an argument holds between steps (after backward)")

@@ -105,25 +105,33 @@ def _unit(value: object, /) -> SaveUnit:
 class RecomputeConfig:
     """Which layers are recomputed (``ratio``) and what stays resident in them (``save``)."""
 
-    ratio: float
+    ratio: float = 1.0
     # Given as any sequence of units or their names, stored as a tuple of SaveUnit: typed as
     # stored, so that a type checker reads `unit.value` off it (helper RL: typed as given, a
-    # str in the union refused that).
-    save: tuple[SaveUnit, ...] | bool | None
+    # str in the union refused that). An option, so keyword-only.
+    save: tuple[SaveUnit, ...] | bool | None = dataclasses.field(default=None, kw_only=True)
 
     def __init__(self, ratio: float = 1.0, *,
                  save: Sequence[SaveUnit | str] | bool | None = None) -> None:
-        # save is an option, so keyword-only: RecomputeConfig(0.5, save=["attn"]).
-        object.__setattr__(self, "ratio", validate_ratio(ratio))
-        if save is not None and not isinstance(save, bool):
-            if isinstance(save, (str, bytes, SaveUnit)) or not isinstance(save, Sequence):
-                raise CheckpointConfigError(
-                    "RecomputeConfig.save takes None, a bool, or a list of save units",
-                    expected="None | bool | list[SaveUnit | str]", got=repr(save),
-                    tip=_OPS_TIP if _torch_ops(save) else "wrap a single unit in a list: "
-                                                          "save=['attn']")
-            save = tuple(dict.fromkeys(_unit(v) for v in save))
+        # RecomputeConfig(0.5, save=["attn"]). The checks stay in __post_init__, which the
+        # __init__ of a dataclass subclass calls (helper RM: a subclass skipped them).
+        object.__setattr__(self, "ratio", ratio)
         object.__setattr__(self, "save", save)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ratio", validate_ratio(self.ratio))
+        save: object = self.save
+        if save is None or isinstance(save, bool):
+            return
+        if isinstance(save, (str, bytes, SaveUnit)) or not isinstance(save, Sequence):
+            raise CheckpointConfigError(
+                "RecomputeConfig.save takes None, a bool, or a list of save units",
+                expected="None | bool | list[SaveUnit | str]", got=repr(save),
+                tip=_OPS_TIP if _torch_ops(save) else "wrap a single unit in a list: "
+                                                      "save=['attn']")
+        units = tuple(dict.fromkeys(_unit(v) for v in save))
+        object.__setattr__(self, "save", units)
 
     def to_json(self) -> str:
         """The config as JSON (``from_json`` reads it back)."""

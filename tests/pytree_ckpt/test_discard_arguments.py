@@ -647,3 +647,70 @@ def test_a_manager_chaining_ops_given_held_modules_gives_eager_gradients_and_sta
         assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad), name
     for b, c in zip(eager.buffers(), lib.buffers()):
         assert torch.equal(b, c)
+
+
+# Helper RM: fd291c3's check by place, against changes of a held container before backward.
+
+def _rm_run(make_arg: Callable[[nn.Module, nn.Module], Any],
+            op: Callable[[torch.Tensor, Any], torch.Tensor],
+            change: Callable[[Any, nn.Module, nn.Module], None], discard: bool,
+            ) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    a, b, proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    arg = make_arg(a, b)
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(op, x, arg))
+        ckpt.discard_output_and_register_recompute(out)
+    else:
+        out = proj(op(x, arg))
+    change(arg, a, b)
+    out.sum().backward()
+    return [t.grad.clone() for t in (x, *a.parameters())]
+
+
+def _rm_chain(x: torch.Tensor, modules: Any) -> torch.Tensor:
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def test_a_module_appended_to_a_held_list_the_op_iterates_is_refused_or_gives_eager_gradients(
+) -> None:
+    eager = _rm_run(lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.append(b), False)
+    try:
+        lib = _rm_run(lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.append(b), True)
+    except CheckpointError:
+        return
+    assert _rk_same(lib, eager)
+
+
+def test_a_held_module_also_set_at_an_earlier_place_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> list[Any]:
+        return [types.SimpleNamespace(), a]
+
+    def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
+        return held[1](x)
+
+    def cache(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg[0].last = a  # the list still holds `a` at [1], where the op reads it
+
+    assert _rk_same(_rm_run(make, op, cache, True), _rm_run(make, op, cache, False))
+
+
+def test_a_held_list_shortened_after_its_module_or_a_dataclass_given_an_attribute_gives_eager(
+) -> None:
+    @dataclasses.dataclass
+    class Cfg:
+        m: nn.Module
+
+    cases: list[tuple[Callable[..., Any], Callable[..., torch.Tensor], Callable[..., None]]] = [
+        (lambda a, b: [a, 1.0, [2.0]], lambda x, held: held[0](x),
+         lambda arg, a, b: arg.pop()),
+        (lambda a, b: Cfg(a), lambda x, c: c.m(x), lambda arg, a, b: setattr(arg, "step", 3)),
+        (lambda a, b: {"a": a, "k": [1]}, lambda x, d: d["a"](x),
+         lambda arg, a, b: arg.pop("k")),
+    ]
+    for make, op, change in cases:
+        assert _rk_same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))

@@ -2280,3 +2280,44 @@ def test_from_json_reads_bytes_and_its_refusal_of_a_path_or_file_has_a_tip_that_
         assert RecomputeConfig.from_json(json.dumps(data)) == config  # the tip, literally
     with pytest.raises(CheckpointConfigError, match="must be an object"):
         RecomputeConfig.from_json("null")
+
+
+# Helper RM: f990200 made RecomputeConfig's __init__ explicit (init=False); checked against
+# 253654c.
+
+def test_a_dataclass_subclass_of_recompute_config_keeps_its_defaults_and_validation() -> None:
+    import dataclasses
+
+    assert [f.default for f in dataclasses.fields(RecomputeConfig)] == [1.0, None]
+
+    @dataclasses.dataclass(frozen=True)
+    class Tagged(RecomputeConfig):
+        tag: str = "run"
+
+    assert Tagged() == Tagged(1.0, save=None)
+    assert Tagged(0.5, save=["attn"]).save == (SaveUnit.ATTN,)
+    assert Tagged.from_json('{"ratio": 0.5, "save": ["attn"]}').save == (SaveUnit.ATTN,)
+    with pytest.raises(CheckpointConfigError, match="ratio must be a number"):
+        Tagged(2.0)
+
+
+def test_recompute_config_replace_pickle_copy_asdict_hash_and_json_as_at_253654c() -> None:
+    import dataclasses
+    import pickle
+
+    cfg = RecomputeConfig(0.5, save=["attn", "attn", SaveUnit.MOE_GATE])
+    assert cfg.save == (SaveUnit.ATTN, SaveUnit.MOE_GATE)
+    assert repr(cfg) == ("RecomputeConfig(ratio=0.5, save=(<SaveUnit.ATTN: 'attn'>, "
+                         "<SaveUnit.MOE_GATE: 'moe_gate'>))")
+    assert dataclasses.replace(cfg, save=["attn"]).save == (SaveUnit.ATTN,)
+    with pytest.raises(CheckpointConfigError, match="ratio must be a number"):
+        dataclasses.replace(cfg, ratio=2.0)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+    assert hash(cfg) == hash(RecomputeConfig(0.5, save=("attn", "moe_gate")))
+    assert dataclasses.asdict(cfg) == {"ratio": 0.5, "save": (SaveUnit.ATTN, SaveUnit.MOE_GATE)}
+    assert RecomputeConfig.from_json("{}") == RecomputeConfig()
+    assert RecomputeConfig(ratio=0.25) == RecomputeConfig(0.25, save=None)
+    with pytest.raises(TypeError):
+        RecomputeConfig(1.0, ["attn"])  # type: ignore[misc]
+    with pytest.raises(CheckpointConfigError, match="wrap a single unit in a list"):
+        RecomputeConfig(save="attn")  # type: ignore[arg-type]
