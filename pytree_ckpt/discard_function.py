@@ -204,9 +204,11 @@ class DiscardFunction(torch.autograd.Function):
         if not single and not isinstance(outputs, (tuple, list)):
             refuse_output(owner._name(), outputs)  # a dict would give its keys, a dataclass nothing
         outputs = (outputs,) if single else tuple(outputs)
-        for out in outputs:
-            if not isinstance(out, torch.Tensor):
-                refuse_output(owner._name(), out)  # before reading storages: None has none
+        if not outputs:  # helper RN: refused as having no floating output, with "got" empty
+            refuse_output(owner._name(), outputs_given)
+        for i, out in enumerate(outputs):
+            if not isinstance(out, torch.Tensor):  # before reading storages: None has none
+                refuse_output(owner._name(), out, f"output[{i}]")
         owner.single = single
         owner.as_list = isinstance(outputs_given, list)
         owner.arg_kinds = [isinstance(t, torch.Tensor) for t in args]

@@ -68,11 +68,14 @@ def refuse_grad_switched(name: str, args: tuple[Any, ...], tensors: list[torch.T
             "x.detach()")
 
 
-def refuse_output(name: str, got: Any) -> None:
+def refuse_output(name: str, got: Any, where: str = "output", /) -> None:
+    """Refuse what ``name`` returned: ``got``, at ``where`` (``output[1]`` for an element)."""
+    what = "None" if got is None else "an empty " + type(got).__name__ if \
+        isinstance(got, (tuple, list)) and not got else type(got).__name__
     raise CheckpointConfigError(
         f"CheckpointWithoutOutput needs {name} to return a tensor or a tuple of tensors",
-        expected="Tensor | tuple[Tensor, ...]",
-        got="None" if got is None else type(got).__name__,
+        expected="Tensor | tuple[Tensor, ...] | list[Tensor]",
+        got=f"{where}: {what}",
         tip="discard only ops that return tensors (for a fused op returning (out, None), a "
             "method of its module that returns out alone); wrap structured outputs in "
             "pytree_ckpt.checkpoint instead")

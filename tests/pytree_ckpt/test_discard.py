@@ -1109,7 +1109,7 @@ def test_an_op_returning_none_beside_its_output_is_refused_saying_none() -> None
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(CheckpointConfigError) as error:
         CheckpointWithoutOutput().checkpoint(lambda t: (t * 2, None), x)
-    assert "  got:      None\n" in str(error.value)
+    assert "  got:      output[1]: None\n" in str(error.value)
     assert "(out, None)" in str(error.value)
 
 
@@ -3162,3 +3162,120 @@ def test_an_output_discard_given_a_tensor_free_dataclass_beside_a_long_list_give
     arg.scale = 2.0  # type: ignore[attr-defined]
     eager = _qz_discard_grads(arg, discard=False)
     assert all(torch.equal(a, b) for a, b in zip(_qz_discard_grads(arg, discard=True), eager))
+
+
+# --- helper RN: docs/discard.md read against the code ---------------------------------------
+
+
+def _lambda_over_norm_discarded() -> tuple[nn.LayerNorm, nn.Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    normed = ckpt.checkpoint(lambda t: norm(t), x)
+    out = proj(normed)
+    ckpt.discard_output_and_register_recompute(out)
+    return norm, proj, x, (x + out).sum()
+
+
+def test_a_discarded_lambda_over_a_module_under_a_restricted_backward_outside_any_layer_is_refused(
+) -> None:
+    # discard.md says such a lambda "works under a plain loss.backward() but not inside a
+    # checkpointed layer": a restricted backward outside any layer is refused as well, and
+    # asking torch.autograd.grad for the lambda's own parameters fails in torch (helper RN).
+    _, proj, x, loss = _lambda_over_norm_discarded()
+    with pytest.raises(CheckpointError, match="restricted backward"):
+        loss.backward(inputs=[proj.weight, x])
+    _, proj, x, loss = _lambda_over_norm_discarded()
+    with pytest.raises(CheckpointError, match="restricted backward"):
+        torch.autograd.grad(loss, [proj.weight, x])
+    norm, _, _, loss = _lambda_over_norm_discarded()
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(loss, [norm.weight])
+
+
+def test_a_discarded_lambda_over_a_module_under_a_plain_backward_gives_eager_gradients() -> None:
+    norm, proj, x, loss = _lambda_over_norm_discarded()
+    torch.manual_seed(0)
+    norm2, proj2 = nn.LayerNorm(8), nn.Linear(8, 8)
+    x2 = torch.randn(4, 8, requires_grad=True)
+    loss.backward()
+    (x2 + proj2(norm2(x2))).sum().backward()
+    for ours, eager in zip([*norm.parameters(), *proj.parameters(), x],
+                           [*norm2.parameters(), *proj2.parameters(), x2]):
+        assert torch.equal(ours.grad, eager.grad)
+
+
+class _PlanLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        h = h + self.proj(ctx.checkpoint(self.norm, h))
+        ctx.finalize(h)
+        return h
+
+
+def test_a_residual_plan_block_spanning_checkpointed_layers_is_refused_naming_block_size_1() -> None:
+    layers = nn.ModuleList(_PlanLayer() for _ in range(2))
+    h = torch.randn(4, 8, requires_grad=True)
+    for ctx, layer in zip(build_residual_stream_recompute_plan(2, 2), layers):
+        h = checkpoint(layer, h, ctx)
+    with pytest.raises(CheckpointError, match="block_size=1"):
+        h.sum().backward()
+
+
+def test_a_residual_plan_with_verify_replay_names_an_op_that_reads_changed_state() -> None:
+    scale = {"k": 2.0}
+    x = torch.randn(4, 8, requires_grad=True)
+    proj = nn.Linear(8, 8)
+    (ctx,) = build_residual_stream_recompute_plan(1, 1, verify_replay=True)
+    h = x + proj(ctx.checkpoint(lambda t: t * scale["k"], x))
+    ctx.finalize(h)
+    scale["k"] = 3.0
+    with pytest.raises(pytree_ckpt.ReplayMismatchError):
+        h.sum().backward()
+
+
+def test_an_op_returning_an_empty_tuple_is_refused_saying_what_it_returned() -> None:
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(CheckpointConfigError) as info:
+        CheckpointWithoutOutput().checkpoint(lambda t: (), x)
+    got = str(info.value).split("got:", 1)[1].splitlines()[0].strip()
+    assert got == "output: an empty tuple", str(info.value)
+
+
+class _NormThen(nn.Module):
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.norm, self.split = nn.LayerNorm(16), split
+
+    def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.norm(t)
+        return y.chunk(2, -1) if self.split == "chunk" else (y, y)
+
+
+@pytest.mark.parametrize("split", ["chunk", "same tensor twice"])
+def test_outputs_that_are_views_of_one_base_are_all_freed_and_give_eager_gradients(split: str
+                                                                                 ) -> None:
+    torch.manual_seed(0)
+    op, proj = _NormThen(split), nn.Linear(8 if split == "chunk" else 16, 4)
+    op2, proj2 = copy.deepcopy(op), copy.deepcopy(proj)
+    x = torch.randn(4, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+
+    def loss_of(outs: tuple[torch.Tensor, ...], proj: nn.Linear) -> torch.Tensor:
+        return sum(proj(o).sum() * (i + 1) for i, o in enumerate(outs))  # type: ignore[return-value]
+
+    ckpt = CheckpointWithoutOutput()
+    outs = ckpt.checkpoint(op, x)
+    loss = loss_of(outs, proj)
+    ckpt.discard_output_and_register_recompute(loss)
+    sizes = [o.untyped_storage().nbytes() for o in outs]
+    assert sizes == [0, 0]
+    loss.backward()
+    loss_of(op2(x2), proj2).backward()
+    for ours, eager in zip([*op.parameters(), *proj.parameters(), x],
+                           [*op2.parameters(), *proj2.parameters(), x2]):
+        assert torch.equal(ours.grad, eager.grad)

@@ -171,8 +171,8 @@ class _Returns(nn.Module):
                 "dataclass": _Out(out)}[self.kind]
 
 
-@pytest.mark.parametrize("kind, got", [("with None", "None"), ("dict", "dict"),
-                                       ("dataclass", "_Out")])
+@pytest.mark.parametrize("kind, got", [("with None", "output[1]: None"), ("dict", "output: dict"),
+                                       ("dataclass", "output: _Out")])
 def test_outputs_other_than_tensors_are_refused_naming_what_came_back(kind: str,
                                                                       got: str) -> None:
     # A dict would have been read as its keys, and None crashed reading a storage.
