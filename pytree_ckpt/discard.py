@@ -66,7 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import checked_arguments, refuse_held_replaced
+from .discard_arguments import Places, checked_arguments, refuse_held_replaced
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -217,7 +217,7 @@ class CheckpointWithoutOutput:
         self.bound: Bound | None = None
         # The arguments, and the modules they held at the call (NOTE [an output discard's
         # arguments]), for the rebuild's check.
-        self.held: tuple[tuple[Any, ...], list[tuple[nn.Module, str]]] | None = None
+        self.held: tuple[tuple[Any, ...], Places] | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
         # trees; what the forward changed of them (NOTE [state the forward changes] in
         # state_changes.py, NOTE [discard lifetimes] 5).
@@ -248,7 +248,7 @@ class CheckpointWithoutOutput:
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
         places = checked_arguments(fn, args, kwargs)  # NOTE [an output discard's arguments]
-        held = list({id(m): m for m, _ in places}.values())
+        held = list({id(m): m for m, _ in places.values()}.values())
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs

@@ -19,7 +19,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["checked_arguments", "held_in", "refuse_held_replaced"]
+__all__ = ["Places", "checked_arguments", "refuse_held_replaced"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -123,26 +123,43 @@ def _opened(value: object, /) -> bool:
         dataclasses.is_dataclass(value) and not isinstance(value, type))
 
 
-def _look(value: object, root: str, refuse: Callable[[str], NoReturn], /, *,
-          modules_too: bool) -> list[tuple[nn.Module, str]]:
-    """The modules held in ``value``, each at every place it is held, with its path; ``refuse``
-    is called with the path of a tensor (or, ``modules_too``, of a module) held in it."""
-    held: list[tuple[nn.Module, str]] = []
+# Where a module is held: the container holding it (by id) and how (an index, a key, a name;
+# a set member by its own id). Not a path from the root: a container referenced from a place the
+# walk meets first would move every module in it to another path (helper RO: refused, naming a
+# place that still held the module), and a path per place costs its depth (quadratic in a deep
+# nesting). Each place keeps its container (so that no other object takes its id until the
+# rebuild's check); a container replaced by a copy holding the same module is another place.
+# Paths are made for a refusal only.
+_Place = tuple[int, object]
+Places = dict[_Place, tuple[nn.Module, object]]
+
+
+def _place(step: _Step, /) -> _Place:
+    parent = step[1]
+    assert parent is not None
+    return id(parent[0]), ("member", id(step[0])) if step[2] is ... else step[2]
+
+
+def _look(value: object, root: str, refuse: Callable[[str], NoReturn] | None, places: Places,
+          /, *, modules_too: bool) -> None:
+    """Put the modules held in ``value`` into ``places``; ``refuse`` (if given) is called with
+    the path of a tensor (or, ``modules_too``, of a module) held in it."""
     other = False
     for item, step, opened in _walk(value, root):
-        if isinstance(item, torch.Tensor) or modules_too and isinstance(item, nn.Module):
+        if refuse is not None and (isinstance(item, torch.Tensor) or
+                                   modules_too and isinstance(item, nn.Module)):
             refuse(_path(step, root))
         if isinstance(item, nn.Module):
-            held.append((item, _path(step, root)))
+            assert step[1] is not None  # a module is met inside an opened argument
+            places[_place(step)] = (item, step[1][0])
         elif not opened and not isinstance(item, _PLAIN):
             other = True
-    if other:
+    if other and refuse is not None:
         flat = flatten(value, root=root)
         refuse_proxies(flat, root=root)  # NOTE [a weakref.proxy leaf]
         if any(isinstance(x, torch.Tensor) or modules_too and isinstance(x, nn.Module)
                for x in flat.leaves):
             refuse(root)
-    return held
 
 
 def _refuse_held_tensor(fn: Callable[..., Any], i: int, arg: object, path: str, /) -> NoReturn:
@@ -170,10 +187,9 @@ def _refuse_keyword(fn: Callable[..., Any], key: str, value: object, path: str, 
 
 
 def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                      /) -> list[tuple[nn.Module, str]]:
-    """Refuse what NOTE [an output discard's arguments] refuses; return the modules held inside
-    ``args``' containers, dataclasses and namespaces, each at every place it is held, with the
-    place's path, in the order met."""
+                      /) -> Places:
+    """Refuse what NOTE [an output discard's arguments] refuses; return where modules are held
+    inside ``args``' containers, dataclasses and namespaces (each place in the order met)."""
     for i, arg in enumerate(args):  # NOTE [a weakref.proxy leaf] (tree.py): helper NY
         if is_proxy(arg):
             raise proxy_refused(arg, f"args[{i}] of {callable_name(fn)}")
@@ -182,45 +198,56 @@ def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
             _refuse_keyword(fn, key, value, f"kwargs[{key!r}]")
         if not isinstance(value, _PLAIN):
             _look(value, f"kwargs[{key!r}]", functools.partial(_refuse_keyword, fn, key, value),
-                  modules_too=True)
-    return held_in(args, fn)
-
-
-def held_in(args: tuple[Any, ...], fn: Callable[..., Any], /) -> list[tuple[nn.Module, str]]:
-    """The modules held in ``args``' containers, dataclasses and namespaces, at each place,
-    with its path; a tensor held there is refused (a discard of ``fn``)."""
-    held: list[tuple[nn.Module, str]] = []
+                  {}, modules_too=True)
+    places: Places = {}
     for i, arg in enumerate(args):
         if _opened(arg):
-            held += _look(arg, f"args[{i}]", functools.partial(_refuse_held_tensor, fn, i, arg),
-                          modules_too=False)
-    return held
+            _look(arg, f"args[{i}]", functools.partial(_refuse_held_tensor, fn, i, arg), places,
+                  modules_too=False)
+    return places
 
 
-def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...],
-                         held: list[tuple[nn.Module, str]], /) -> None:
-    """Refuse the rebuild of a discard of ``fn`` when the places in ``args`` that hold modules
-    now are not those that held them at the call (``held``, from ``held_in``), or hold others
-    (a list entry swapped before backward: the rebuild would run another module, and its
-    gradients would go there: helper RI; one appended to a list the op loops over: helper RM).
-    By place, not by order: a module put back where it was passes (helper RK), and so does one
-    of the call's modules set at a new place too."""
-    then = dict((path, module) for module, path in held)
-    now = dict((path, module) for module, path in held_in(args, fn))
-    given = {id(module) for module, _ in held}
-    for path in [*then, *(p for p in now if p not in then)]:
-        was, current = then.get(path), now.get(path)
-        # A place new since the call may hold a module the call was given (set there too:
-        # RM's `ns.last = norm`), not another
-        if was is current or was is None and current is not None and id(current) in given:
-            continue
-        raise CheckpointError(
-            f"a module held in an argument of {callable_name(fn)} changed between its forward "
-            "and this backward: the rebuild would run other modules than the forward ran, and "
-            "give their gradients there",
-            expected=f"{path}: " + (f"the {type(was).__name__} the forward was given"
-                                    if was is not None else "no module"),
-            got=f"{path}: " + (f"another {type(current).__name__}" if current is not None and
-                               was is not None else type(current).__name__
-                               if current is not None else "no module"),
-            tip="change the modules an argument holds between steps (after backward)")
+def _held_now(args: tuple[Any, ...], /) -> Places:
+    places: Places = {}
+    for i, arg in enumerate(args):
+        if _opened(arg):  # a tensor put in since is not the call's to refuse (helper RO)
+            _look(arg, f"args[{i}]", None, places, modules_too=False)
+    return places
+
+
+def _path_of(args: tuple[Any, ...], place: _Place, /) -> str:
+    """The path of ``place`` in ``args`` now, for a refusal (``args[1][0]``)."""
+    for i, arg in enumerate(args):
+        if _opened(arg):
+            for item, step, _ in _walk(arg, f"args[{i}]"):
+                if isinstance(item, nn.Module) and _place(step) == place:
+                    return _path(step, f"args[{i}]")
+    return "a place in the arguments that held it at the call"
+
+
+def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /
+                         ) -> None:
+    """Refuse the rebuild of a discard of ``fn`` unless ``args`` hold the modules they held at
+    the call (``then``, from ``checked_arguments``) at the same places, and no others: a list
+    entry swapped before backward would make the rebuild run another module and give its
+    gradients there (helper RI), one appended to a list the op loops over would run too
+    (helper RM), the call's own module appended again would run twice (helper RO). By place,
+    not by order: a module put back where it was passes (helper RK)."""
+    now = {k: module for k, (module, _) in _held_now(args).items()}
+    if now.keys() == then.keys() and all(now[k] is m for k, (m, _) in then.items()):
+        return
+    place = next((k for k, (m, _) in then.items() if now.get(k) is not m), None)
+    if place is None:
+        place = next(k for k in now if k not in then)
+    was, current = then[place][0] if place in then else None, now.get(place)
+    path = _path_of(args, place) if current is not None else \
+        "a place in the arguments that held it at the call"
+    raise CheckpointError(
+        f"a module held in an argument of {callable_name(fn)} changed between its forward and "
+        "this backward: the rebuild would run other modules than the forward ran, and give "
+        "their gradients there",
+        expected=f"{path}: " + (f"the {type(was).__name__} the forward was given"
+                                if was is not None else "no module"),
+        got=f"{path}: " + ("no module" if current is None else f"another {type(current).__name__}"
+                           if was is not None else f"a {type(current).__name__}"),
+        tip="change the modules an argument holds between steps (after backward)")

@@ -686,7 +686,10 @@ def test_a_module_appended_to_a_held_list_the_op_iterates_is_refused_or_gives_ea
     assert _rk_same(lib, eager)
 
 
-def test_a_held_module_also_set_at_an_earlier_place_gives_eager_gradients() -> None:
+def test_a_held_module_also_set_at_a_new_place_is_refused_naming_that_place() -> None:
+    # The op here reads `a` where it was, but another op could read the new place (a list it
+    # loops over: the rebuild would run `a` twice, helper RO), and nothing tells them apart:
+    # any module at a place new since the call is refused, loudly (helper RM found this case).
     def make(a: nn.Module, b: nn.Module) -> list[Any]:
         return [types.SimpleNamespace(), a]
 
@@ -694,9 +697,10 @@ def test_a_held_module_also_set_at_an_earlier_place_gives_eager_gradients() -> N
         return held[1](x)
 
     def cache(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
-        arg[0].last = a  # the list still holds `a` at [1], where the op reads it
+        arg[0].last = a
 
-    assert _rk_same(_rm_run(make, op, cache, True), _rm_run(make, op, cache, False))
+    with pytest.raises(CheckpointError, match=r"got:      args\[1\]\[0\]\.last: a Linear"):
+        _rm_run(make, op, cache, True)
 
 
 def test_a_held_list_shortened_after_its_module_or_a_dataclass_given_an_attribute_gives_eager(
@@ -714,3 +718,95 @@ def test_a_held_list_shortened_after_its_module_or_a_dataclass_given_an_attribut
     ]
     for make, op, change in cases:
         assert _rk_same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))
+
+
+# Helper RO: 76d1ff0's check at every place, against shared containers, a module held again,
+# a tensor added, and deep nestings.
+
+def _ro_shared(a: nn.Module, b: nn.Module) -> list[Any]:
+    return [types.SimpleNamespace(), [a]]
+
+
+def test_a_held_container_also_referenced_at_an_earlier_place_gives_eager_gradients() -> None:
+    def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
+        return held[1][0](x)
+
+    def refer(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg[0].ref = arg[1]  # a namespace met first now refers to the list holding `a`
+
+    assert _rk_same(_rm_run(_ro_shared, op, refer, True), _rm_run(_ro_shared, op, refer, False))
+
+
+def test_a_given_module_appended_again_to_a_held_list_the_op_iterates_is_refused_or_gives_eager(
+) -> None:
+    def again(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg.append(a)
+
+    eager = _rm_run(lambda a, b: [a], _rm_chain, again, False)
+    try:
+        lib = _rm_run(lambda a, b: [a], _rm_chain, again, True)
+    except CheckpointError as e:
+        assert "args[1][1]" in str(e)
+        return
+    assert _rk_same(lib, eager)
+
+
+def test_a_tensor_added_to_a_held_list_the_op_does_not_read_gives_eager_gradients() -> None:
+    def add(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg.append(torch.ones(1))
+
+    def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
+        return held[0](x)
+
+    assert _rk_same(_rm_run(lambda a, b: [a], op, add, True),
+                    _rm_run(lambda a, b: [a], op, add, False))
+
+
+def test_a_module_held_at_every_level_of_a_deep_nesting_makes_no_path_per_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytree_ckpt import discard_arguments
+    made = [0]
+    path = discard_arguments._path
+
+    def counted(step: Any, root: str, /) -> str:
+        text = path(step, root)
+        made[0] += len(text)
+        return text
+
+    monkeypatch.setattr(discard_arguments, "_path", counted)
+    norm, proj = nn.LayerNorm(8), nn.Linear(8, 8)
+    nested: list[Any] = [norm]
+    for _ in range(1000):
+        nested = [norm, nested]
+    x = torch.randn(4, 8, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(lambda t, held: norm(t), x, nested))
+    ckpt.discard_output_and_register_recompute(out)
+    out.sum().backward()
+    assert made[0] < 100 * 1000  # linear in the objects held (the NOTE); ~3 million chars now
+
+
+def test_a_held_container_shared_is_checked_by_the_module_it_holds_and_one_replaced_is_refused() -> None:
+    def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
+        return held[0][0](x)
+
+    def copy_in(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg[0] = [a]  # a new list holding the same module: another place, refused
+
+    with pytest.raises(CheckpointError, match="changed between its forward and this backward"):
+        _rm_run(lambda a, b: [[a]], op, copy_in, True)
+
+    def shared(a: nn.Module, b: nn.Module) -> list[Any]:
+        inner = [a]
+        return [inner, inner]
+
+    def both(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
+        return held[1][0](held[0][0](x))
+
+    def swap_second(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg[1] = [b]  # the rebuild would run b second (silent at f990200)
+
+    with pytest.raises(CheckpointError, match=r"args\[1\]\[1\]\[0\]"):
+        _rm_run(shared, both, swap_second, True)
+    with pytest.raises(CheckpointError, match=r"args\[1\]\[0\]: another Linear"):
+        _rm_run(lambda a, b: [a, b], _rm_chain, lambda arg, a, b: arg.reverse(), True)

@@ -2321,3 +2321,44 @@ def test_recompute_config_replace_pickle_copy_asdict_hash_and_json_as_at_253654c
         RecomputeConfig(1.0, ["attn"])  # type: ignore[misc]
     with pytest.raises(CheckpointConfigError, match="wrap a single unit in a list"):
         RecomputeConfig(save="attn")  # type: ignore[arg-type]
+
+
+def test_recompute_config_dataclass_subclasses_validate_as_at_253654c() -> None:
+    # Helper RO: 76d1ff0's explicit __init__ beside the fields' defaults and __post_init__.
+    import dataclasses
+    import inspect
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Tagged(RecomputeConfig):
+        tag: str
+
+    @dataclasses.dataclass(frozen=True)
+    class Half(RecomputeConfig):
+        ratio: float = 0.5
+
+    @dataclasses.dataclass(frozen=True)
+    class Checked(RecomputeConfig):
+        extra: int = 0
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.extra < 0:
+                raise ValueError("extra")
+
+    assert Tagged(0.5, tag="x", save=["attn"]).save == (SaveUnit.ATTN,)
+    assert Half() == Half(0.5) and Half(save=["attn"]).save == (SaveUnit.ATTN,)
+    assert Checked(0.25, 1, save=["attn"]).save == (SaveUnit.ATTN,)
+    for bad in (lambda: Tagged(3.0, tag="x"), lambda: Half(7.0), lambda: Checked(9.0),
+                lambda: Checked(save="attn")):
+        with pytest.raises(CheckpointConfigError):
+            bad()
+    with pytest.raises(ValueError, match="extra"):
+        Checked(extra=-1)
+    made = dataclasses.make_dataclass("Made", [("k", int, dataclasses.field(default=1))],
+                                      bases=(RecomputeConfig,), frozen=True)
+    assert made(0.5, 2, save=["attn"]).save == (SaveUnit.ATTN,)
+    assert RecomputeConfig.__match_args__ == ("ratio",)
+    assert str(inspect.signature(RecomputeConfig)).replace("'", "") == (
+        "(ratio: float = 1.0, *, save: Sequence[SaveUnit | str] | bool | None = None) -> None")
+    with pytest.raises(TypeError):
+        RecomputeConfig(0.5, ["attn"])  # type: ignore[misc]
