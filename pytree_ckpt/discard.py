@@ -66,7 +66,7 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import Places, checked_arguments, refuse_held_replaced
+from .discard_arguments import Places, checked_arguments, held_places, refuse_held_replaced
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -248,7 +248,7 @@ class CheckpointWithoutOutput:
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
         places = checked_arguments(fn, args, kwargs)  # NOTE [an output discard's arguments]
-        held = list({id(m): m for m, _ in places.values()}.values())
+        held = list({id(m): m for m, _, _ in places.values()}.values())
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs
@@ -282,9 +282,6 @@ class CheckpointWithoutOutput:
             self.state = ([d for tree in trees for d in tree.buffers], frozen, trees)
             if owner is None and held:  # NOTE [an output discard's arguments]
                 self.params = None
-            if held:  # checked again at the rebuild; the containers alone (no tensor inputs)
-                self.held = (tuple(None if isinstance(a, torch.Tensor) else a for a in args),
-                             places)
         elif not any(t.requires_grad and not any(t is a for a in args)
                      for t in self._found_reachable(fn, args)):
             # By identity, not id(): when dynamo traced this method (before NOTE [discard
@@ -338,6 +335,10 @@ class CheckpointWithoutOutput:
         if owner is None:  # NOTE [a module rebound before the replay] (rebound.py)
             self.bound = modules_bound_now(fn)
         outputs = tuple(DiscardFunction.apply(self, *args, *(self.params or ())))
+        if held:  # NOTE [an output discard's arguments]: checked again at the rebuild, as the
+            # forward left them; the containers alone (no tensor inputs)
+            containers = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+            self.held = (containers, held_places(containers))
         # After the Function's call: a fullgraph body is refused at this method's call (NOTE
         # [discard stays eager]), before this ContextVar read.
         note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)

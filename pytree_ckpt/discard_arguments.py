@@ -19,7 +19,7 @@ from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["Places", "checked_arguments", "refuse_held_replaced"]
+__all__ = ["Places", "checked_arguments", "held_places", "refuse_held_replaced"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -74,17 +74,22 @@ def _path(step: _Step, root: str, /) -> str:
     return root + "".join(reversed(parts))
 
 
-def _walk(value: object, root: str, /) -> Iterator[tuple[object, _Step, bool]]:
+def _walk(value: object, root: str, /, *, proxies: bool = True
+          ) -> Iterator[tuple[object, _Step, bool]]:
     """Each object reachable in ``value`` as the NOTE says: the object, its step and whether
     the walk opened it; what it opens once, a tensor, module or plain value at each place it is
-    held. A weakref.proxy on the way is refused, named by its path."""
+    held. A weakref.proxy on the way is refused, named by its path (``proxies``; else it is
+    met, not opened: one put in since the call is not the call's to refuse, helper RP)."""
     seen: set[int] = set()
     stack: list[_Step] = [(value, None, None)]
     while stack:
         step = stack.pop()  # children are pushed last first: met in their order
         item = step[0]
         if is_proxy(item):  # before isinstance, which a proxy answers for what it refers to
-            raise proxy_refused(item, _path(step, root))
+            if proxies:
+                raise proxy_refused(item, _path(step, root))
+            yield item, step, False
+            continue
         if isinstance(item, (torch.Tensor, nn.Module) + _PLAIN):
             yield item, step, False  # at each place it is held (helper RM)
             continue
@@ -124,34 +129,37 @@ def _opened(value: object, /) -> bool:
 
 
 # Where a module is held: the container holding it (by id) and how (an index, a key, a name;
-# a set member by its own id). Not a path from the root: a container referenced from a place the
-# walk meets first would move every module in it to another path (helper RO: refused, naming a
-# place that still held the module), and a path per place costs its depth (quadratic in a deep
-# nesting). Each place keeps its container (so that no other object takes its id until the
-# rebuild's check); a container replaced by a copy holding the same module is another place.
-# Paths are made for a refusal only.
+# a set member, or a dict key, by its own id). Not a path from the root: a container referenced
+# from a place the walk meets first would move every module in it to another path (helper RO:
+# refused, naming a place that still held the module), and a path per place costs its depth
+# (quadratic in a deep nesting). Each place keeps its walk step, and with it its containers (no
+# other object takes their ids until the rebuild's check), for the path of a refusal. Places
+# are kept in the order the walk meets them, which is the order the op iterates: modules
+# reordered in a dict the op loops over would run in another order (helper RP). A container
+# replaced by a copy holding the same module is another place.
 _Place = tuple[int, object]
-Places = dict[_Place, tuple[nn.Module, object]]
+Places = dict[_Place, tuple[nn.Module, _Step, str]]
 
 
 def _place(step: _Step, /) -> _Place:
-    parent = step[1]
+    parent, how = step[1], step[2]
     assert parent is not None
-    return id(parent[0]), ("member", id(step[0])) if step[2] is ... else step[2]
+    member = how is ... or isinstance(how, tuple) and how[0] == "key"
+    return id(parent[0]), ("member", id(step[0])) if member else how
 
 
 def _look(value: object, root: str, refuse: Callable[[str], NoReturn] | None, places: Places,
           /, *, modules_too: bool) -> None:
     """Put the modules held in ``value`` into ``places``; ``refuse`` (if given) is called with
-    the path of a tensor (or, ``modules_too``, of a module) held in it."""
+    the path of a tensor (or, ``modules_too``, of a module) held in it, and a weakref.proxy is
+    refused (else passed over)."""
     other = False
-    for item, step, opened in _walk(value, root):
+    for item, step, opened in _walk(value, root, proxies=refuse is not None):
         if refuse is not None and (isinstance(item, torch.Tensor) or
                                    modules_too and isinstance(item, nn.Module)):
             refuse(_path(step, root))
         if isinstance(item, nn.Module):
-            assert step[1] is not None  # a module is met inside an opened argument
-            places[_place(step)] = (item, step[1][0])
+            places[_place(step)] = (item, step, root)
         elif not opened and not isinstance(item, _PLAIN):
             other = True
     if other and refuse is not None:
@@ -207,47 +215,49 @@ def checked_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     return places
 
 
-def _held_now(args: tuple[Any, ...], /) -> Places:
+def held_places(args: tuple[Any, ...], /) -> Places:
+    """Where modules are held in ``args`` now, in the order met (nothing refused: what was put
+    in since the call is not the call's to refuse, helper RO)."""
     places: Places = {}
     for i, arg in enumerate(args):
-        if _opened(arg):  # a tensor put in since is not the call's to refuse (helper RO)
+        if _opened(arg):
             _look(arg, f"args[{i}]", None, places, modules_too=False)
     return places
 
 
-def _path_of(args: tuple[Any, ...], place: _Place, /) -> str:
-    """The path of ``place`` in ``args`` now, for a refusal (``args[1][0]``)."""
-    for i, arg in enumerate(args):
-        if _opened(arg):
-            for item, step, _ in _walk(arg, f"args[{i}]"):
-                if isinstance(item, nn.Module) and _place(step) == place:
-                    return _path(step, f"args[{i}]")
-    return "a place in the arguments that held it at the call"
-
-
 def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /
                          ) -> None:
-    """Refuse the rebuild of a discard of ``fn`` unless ``args`` hold the modules they held at
-    the call (``then``, from ``checked_arguments``) at the same places, and no others: a list
-    entry swapped before backward would make the rebuild run another module and give its
-    gradients there (helper RI), one appended to a list the op loops over would run too
-    (helper RM), the call's own module appended again would run twice (helper RO). By place,
-    not by order: a module put back where it was passes (helper RK)."""
-    now = {k: module for k, (module, _) in _held_now(args).items()}
-    if now.keys() == then.keys() and all(now[k] is m for k, (m, _) in then.items()):
+    """Refuse the rebuild of a discard of ``fn`` unless ``args`` hold the modules they held
+    when the forward returned (``then``, from ``held_places``; an op that puts one of its
+    modules at a new key itself is not refused, helper RP) at the same places, in the same
+    order, and no others: a list entry swapped before backward would make the rebuild run
+    another module and give its gradients there (helper RI), one appended to a list the op
+    loops over would run too (helper RM), the call's own module appended again would run twice
+    (helper RO), modules reordered in a dict would run in another order (helper RP). By place,
+    not by order of the walk alone: a module put back where it was passes (helper RK)."""
+    now = held_places(args)
+    if len(now) == len(then) and all(
+            k == j and a[0] is b[0] for (k, a), (j, b) in zip(then.items(), now.items())):
         return
-    place = next((k for k, (m, _) in then.items() if now.get(k) is not m), None)
-    if place is None:
-        place = next(k for k in now if k not in then)
-    was, current = then[place][0] if place in then else None, now.get(place)
-    path = _path_of(args, place) if current is not None else \
-        "a place in the arguments that held it at the call"
+    for place, (module, step, root) in then.items():
+        current = now.get(place)
+        if current is None or current[0] is not module:
+            where = _path(step, root)
+            got = "no module" if current is None else f"another {type(current[0]).__name__}"
+            expected = f"the {type(module).__name__} the forward was given"
+            break
+    else:
+        added = next((v for k, v in now.items() if k not in then), None)
+        if added is not None:
+            module, step, root = added
+            where, expected, got = _path(step, root), "no module", f"a {type(module).__name__}"
+        else:  # the same places, met in another order
+            module, step, root = next(iter(then.values()))
+            where = _path(step, root) + " and the modules beside it"
+            expected, got = "the order of the call", "another order"
     raise CheckpointError(
         f"a module held in an argument of {callable_name(fn)} changed between its forward and "
-        "this backward: the rebuild would run other modules than the forward ran, and give "
-        "their gradients there",
-        expected=f"{path}: " + (f"the {type(was).__name__} the forward was given"
-                                if was is not None else "no module"),
-        got=f"{path}: " + ("no module" if current is None else f"another {type(current).__name__}"
-                           if was is not None else f"a {type(current).__name__}"),
+        "this backward: the rebuild would run other modules than the forward ran, or in "
+        "another order, and give their gradients there",
+        expected=f"{where}: {expected}", got=f"{where}: {got}",
         tip="change the modules an argument holds between steps (after backward)")

@@ -589,11 +589,22 @@ def test_a_held_modules_dict_given_a_plain_entry_or_the_same_module_again_gives_
         assert _rk_same(_held_dict_run(change, True), _held_dict_run(None, False))
 
 
-def test_a_held_module_reinserted_under_its_own_key_gives_eager_gradients() -> None:
+def test_a_held_module_reinserted_under_its_own_key_is_refused_as_a_reordering() -> None:
+    # Reinserted, "n" comes after "m": this op reads by key, but one iterating d.values() would
+    # run them in another order (helper RP), and nothing tells the two apart: refused, loudly
+    # (helper RK found the case when it was refused by a place that never held it).
     def reinsert(d: dict[str, Any]) -> None:
         d["n"] = d.pop("n")
 
-    assert _rk_same(_held_dict_run(reinsert, True), _held_dict_run(None, False))
+    with pytest.raises(CheckpointError, match=r"args\[1\]\['n'\] and the modules beside it: "
+                       "another order"):
+        _held_dict_run(reinsert, True)
+
+    def put_back(d: dict[str, Any]) -> None:  # the same order again: passes
+        d["n"] = d.pop("n")
+        d["m"] = d.pop("m")
+
+    assert _rk_same(_held_dict_run(put_back, True), _held_dict_run(None, False))
 
 
 def test_a_held_list_with_a_plain_value_appended_and_a_module_held_twice_gives_eager_gradients(
@@ -810,3 +821,98 @@ def test_a_held_container_shared_is_checked_by_the_module_it_holds_and_one_repla
         _rm_run(shared, both, swap_second, True)
     with pytest.raises(CheckpointError, match=r"args\[1\]\[0\]: another Linear"):
         _rm_run(lambda a, b: [a, b], _rm_chain, lambda arg, a, b: arg.reverse(), True)
+
+
+# Helper RP: 12020f0's places (container and key), against a forward that sets a module of its
+# own, order, the refusal's path, and what is put in since the call.
+
+def test_an_op_that_sets_its_given_module_at_a_new_key_in_its_forward_gives_eager_gradients(
+) -> None:
+    # Nothing changes between forward and backward: the op's own forward makes the place (a
+    # registry entry, as a defaultdict read would), and the rebuild sets it again, the same.
+    def op(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+        held["last"] = held["enc"]
+        return held["enc"](x)
+
+    def nothing(arg: Any, a: nn.Module, b: nn.Module) -> None:
+        pass
+
+    assert _rk_same(_rm_run(lambda a, b: {"enc": a}, op, nothing, True),
+                    _rm_run(lambda a, b: {"enc": a}, op, nothing, False))
+
+
+def test_a_held_dict_whose_modules_are_reordered_is_refused_or_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return collections.OrderedDict(p=a, q=b)
+
+    def op(x: torch.Tensor, held: Any) -> torch.Tensor:
+        return _rm_chain(x, held.values())
+
+    def reorder(arg: Any, a: nn.Module, b: nn.Module) -> None:
+        arg.move_to_end("p")  # also: arg["p"] = arg.pop("p"); a namespace's delattr + setattr
+
+    eager = _rm_run(make, op, reorder, False)
+    try:
+        lib = _rm_run(make, op, reorder, True)
+    except CheckpointError:
+        return
+    assert _rk_same(lib, eager)
+
+
+def test_a_held_container_replaced_by_a_copy_is_refused_naming_its_path() -> None:
+    def copy_in(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg[0] = [a]
+
+    with pytest.raises(CheckpointError) as info:
+        _rm_run(lambda a, b: [[a]], lambda x, held: held[0][0](x), copy_in, True)
+    assert "args[1][0][0]" in str(info.value)  # 76d1ff0 named it so
+
+
+def test_a_weakref_proxy_added_to_a_held_list_the_op_does_not_read_gives_eager_gradients(
+) -> None:
+    import weakref
+
+    class Obj:
+        pass
+
+    obj = Obj()
+
+    def add(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg.append(weakref.proxy(obj))
+
+    def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
+        return held[0](x)
+
+    assert _rk_same(_rm_run(lambda a, b: [a], op, add, True),
+                    _rm_run(lambda a, b: [a], op, add, False))
+
+
+def test_held_modules_in_a_slots_dataclass_a_namedtuple_a_frozenset_or_a_list_sorted_give_eager(
+) -> None:
+    @dataclasses.dataclass(slots=True)
+    class Slots:
+        m: nn.Module
+        n: int = 1
+
+    pair = collections.namedtuple("pair", "m n")
+    cases: list[tuple[Callable[[nn.Module, nn.Module], Any], Callable[..., torch.Tensor],
+                      Callable[[Any, nn.Module, nn.Module], None]]] = [
+        (lambda a, b: Slots(a), lambda x, s: s.m(x), lambda arg, a, b: setattr(arg, "n", 2)),
+        (lambda a, b: pair(a, 1), lambda x, s: s.m(x), lambda arg, a, b: None),
+        (lambda a, b: frozenset([a]), _rm_chain, lambda arg, a, b: None),
+        (lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.sort(key=id)),
+        (lambda a, b: [types.SimpleNamespace(), [a]], lambda x, l: l[1][0](x),
+         lambda arg, a, b: setattr(arg[0], "ref", arg[1])),
+    ]
+    for make, op, change in cases:
+        assert _rk_same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))
+
+
+def test_a_held_module_in_a_slots_dataclass_replaced_is_refused_naming_it() -> None:
+    @dataclasses.dataclass(slots=True)
+    class Slots:
+        m: nn.Module
+
+    with pytest.raises(CheckpointError, match=r"args\[1\]\.m: another Linear"):
+        _rm_run(lambda a, b: Slots(a), lambda x, s: s.m(x),
+                lambda arg, a, b: setattr(arg, "m", b), True)
