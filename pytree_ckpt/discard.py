@@ -515,7 +515,6 @@ class CheckpointWithoutOutput:
         if self.held is not None:  # NOTE [an output discard's arguments]
             assert self.fn is not None
             refuse_held_replaced(self.fn, *self.held)
-            self.held = None
         watched, param_before = self.param_versions, None
         if watched is not None:
             assert self.params is not None
@@ -597,6 +596,10 @@ class CheckpointWithoutOutput:
             finally:  # settled even where the rebuild raises (helper QI)
                 if hooks is not None:
                     hooks.drop_repeated(handles_before, given, hooks_held)
+        if self.held is not None:  # NOTE [an output discard's arguments]: an op that moves
+            # its modules at each call (appends one) ran others in the rebuild (helper RQ)
+            refuse_held_replaced(self.fn, *self.held, rebuilt=True)
+            self.held = None
         # One replay per forward: the buffers' snapshots served it (freed now, as the census
         # reads them: module state, held until the outputs are rebuilt and handed over).
         self.changed_state = self.changed_numbers = None

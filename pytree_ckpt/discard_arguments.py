@@ -47,7 +47,8 @@ __all__ = ["Places", "checked_arguments", "held_places", "refuse_held_replaced"]
 # where it meets another object, the tree's flatten looks too (a registered pytree node may
 # hold tensors). Paths are made only for a refusal: a tensor-free list of a million numbers is
 # walked once, without a string per entry (helper RI: walked twice, with paths, it cost twice
-# the flatten alone).
+# the flatten alone); one holding a module is walked again when the forward returns, and twice
+# in backward (before and after the rebuild), for the places of its modules.
 
 # Values that hold nothing the walk looks for; of exactly these classes, they are not even
 # pushed (a list of numbers costs a type test each).
@@ -136,7 +137,10 @@ def _opened(value: object, /) -> bool:
 # other object takes their ids until the rebuild's check), for the path of a refusal. Places
 # are kept in the order the walk meets them, which is the order the op iterates: modules
 # reordered in a dict the op loops over would run in another order (helper RP). A container
-# replaced by a copy holding the same module is another place.
+# replaced by a copy holding the same module is another place. The places are those the
+# forward left (an op may put one of its modules at a new key itself: helper RP), and the
+# rebuild must leave them so too (checked after it: one appending a module at each call ran
+# others in the rebuild, helper RQ).
 _Place = tuple[int, object]
 Places = dict[_Place, tuple[nn.Module, _Step, str]]
 
@@ -225,8 +229,8 @@ def held_places(args: tuple[Any, ...], /) -> Places:
     return places
 
 
-def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /
-                         ) -> None:
+def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /, *,
+                         rebuilt: bool = False) -> None:
     """Refuse the rebuild of a discard of ``fn`` unless ``args`` hold the modules they held
     when the forward returned (``then``, from ``held_places``; an op that puts one of its
     modules at a new key itself is not refused, helper RP) at the same places, in the same
@@ -234,7 +238,9 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
     another module and give its gradients there (helper RI), one appended to a list the op
     loops over would run too (helper RM), the call's own module appended again would run twice
     (helper RO), modules reordered in a dict would run in another order (helper RP). By place,
-    not by order of the walk alone: a module put back where it was passes (helper RK)."""
+    not by order of the walk alone: a module put back where it was passes (helper RK).
+    ``rebuilt``: checked again once the rebuild ran the op, which must leave them as the
+    forward did (an op that appends a module at each call ran others: helper RQ)."""
     now = held_places(args)
     if len(now) == len(then) and all(
             k == j and a[0] is b[0] for (k, a), (j, b) in zip(then.items(), now.items())):
@@ -255,6 +261,15 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
             module, step, root = next(iter(then.values()))
             where = _path(step, root) + " and the modules beside it"
             expected, got = "the order of the call", "another order"
+    if rebuilt:
+        raise CheckpointError(
+            f"the rebuild of {callable_name(fn)} left the modules held in its arguments "
+            "otherwise than its forward did: the op changes where they are held at each call "
+            "(appends one, pops one), so the rebuild ran other modules than the forward, or in "
+            "another order", expected=f"{where}: {expected} (as the forward left it)",
+            got=f"{where}: {got}",
+            tip="keep the op from changing its arguments' containers (build the list before "
+                "the call), or do not discard its output")
     raise CheckpointError(
         f"a module held in an argument of {callable_name(fn)} changed between its forward and "
         "this backward: the rebuild would run other modules than the forward ran, or in "

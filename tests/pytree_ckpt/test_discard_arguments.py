@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import pytree_ckpt
 from pytree_ckpt import (CheckpointConfigError, CheckpointError, CheckpointWithoutOutput,
                          CheckpointWithoutOutputManager)
 
@@ -916,3 +917,167 @@ def test_a_held_module_in_a_slots_dataclass_replaced_is_refused_naming_it() -> N
     with pytest.raises(CheckpointError, match=r"args\[1\]\.m: another Linear"):
         _rm_run(lambda a, b: Slots(a), lambda x, s: s.m(x),
                 lambda arg, a, b: setattr(arg, "m", b), True)
+
+
+# Helper RQ: regression review of e0d1b20 (places read when the forward returns).
+def _rq_run(make_arg: Callable[[nn.Module, nn.Module], Any],
+            op: Callable[[torch.Tensor, Any], torch.Tensor], discard: bool,
+            ) -> list[torch.Tensor | None]:
+    torch.manual_seed(0)
+    a, b, proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    arg = make_arg(a, b)
+    if discard:
+        ckpt = CheckpointWithoutOutput()
+        out = proj(ckpt.checkpoint(op, x, arg))
+        ckpt.discard_output_and_register_recompute(out)
+    else:
+        out = proj(op(x, arg))
+    out.sum().backward()
+    return [x.grad, *(p.grad for p in a.parameters()), *(p.grad for p in b.parameters())]
+
+
+def _rq_same(ours: list[torch.Tensor | None], eager: list[torch.Tensor | None]) -> bool:
+    return all(p is q is None or p is not None and q is not None and torch.equal(p, q)
+               for p, q in zip(ours, eager))
+
+
+def _rq_append_then_chain(x: torch.Tensor, held: list[nn.Module]) -> torch.Tensor:
+    held.append(held[0])  # not idempotent: the rebuild appends once more
+    return _rm_chain(x, held)
+
+
+def _rq_chain_then_append(x: torch.Tensor, held: list[nn.Module]) -> torch.Tensor:
+    y = _rm_chain(x, held)
+    held.append(held[0])
+    return y
+
+
+def _rq_pop_first(x: torch.Tensor, held: list[nn.Module]) -> torch.Tensor:
+    return held.pop(0)(x)  # the rebuild pops (and runs) the next one
+
+
+def _rq_rotate_then_chain(x: torch.Tensor, held: list[nn.Module]) -> torch.Tensor:
+    held.append(held.pop(0))
+    return _rm_chain(x, held)
+
+
+@pytest.mark.parametrize("op", [_rq_append_then_chain, _rq_chain_then_append, _rq_pop_first,
+                                _rq_rotate_then_chain])
+def test_an_op_that_moves_its_held_modules_at_each_call_is_refused_or_gives_eager_gradients(
+        op: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+    make: Callable[[nn.Module, nn.Module], Any] = lambda a, b: [a, b]  # noqa: E731
+    eager = _rq_run(make, op, False)
+    try:
+        ours = _rq_run(make, op, True)
+    except CheckpointError:
+        return  # loud: the rebuild started from other places than the forward did
+    assert _rq_same(ours, eager)
+
+
+def test_an_op_that_sets_its_module_at_a_new_key_in_a_checkpointed_layer_gives_eager_state(
+) -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.bn, self.proj = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+            self.discard = True
+
+        def op(self, x: torch.Tensor, held: dict[str, nn.Module]) -> torch.Tensor:
+            held["last"] = held["enc"]  # idempotent: the rebuild sets it again, the same
+            return held["bn"](held["enc"](x))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            held = {"enc": self.a, "bn": self.bn}
+            if not self.discard:
+                return self.proj(self.op(x, held))
+            ckpt = CheckpointWithoutOutput()
+            out = self.proj(ckpt.checkpoint(self.op, x, held))
+            ckpt.discard_output_and_register_recompute(out)
+            return out
+
+    def run(discard: bool, wrap: bool) -> list[Any]:
+        torch.manual_seed(0)
+        layer = Layer()
+        layer.discard = discard
+        xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+        loss = sum((pytree_ckpt.checkpoint(layer, x) if wrap else layer(x)).sum() for x in xs)
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        return [*(x.grad for x in xs), *(p.grad for p in layer.parameters()), *layer.buffers()]
+
+    eager = run(False, False)
+    for wrap in (False, True):
+        assert all(torch.equal(p, q) for p, q in zip(run(True, wrap), eager))
+
+
+def test_a_manager_with_held_modules_gives_eager_gradients_and_refuses_a_swap_naming_it(
+) -> None:
+    def run(discard: bool, swap: bool) -> list[Any]:
+        torch.manual_seed(0)
+        a, b, proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        x = torch.randn(4, 8, requires_grad=True)
+        l1, l2 = [a], [b]
+        if discard:
+            manager = CheckpointWithoutOutputManager()
+            h = manager.checkpoint(_rm_chain, x, l1)
+            out = proj(manager.checkpoint(_rm_chain, h, l2))
+            manager.discard_all_outputs_and_register_unified_recompute(out)
+        else:
+            out = proj(_rm_chain(_rm_chain(x, l1), l2))
+        if swap:
+            l1[0] = b
+        out.sum().backward()
+        return [t.grad for t in (x, *a.parameters(), *b.parameters())]
+
+    assert all(torch.equal(p, q) for p, q in zip(run(True, False), run(False, False)))
+    with pytest.raises(CheckpointError, match=r"args\[1\]\[0\]: another Linear"):
+        run(True, True)
+
+
+def test_a_refused_rebuild_keeps_no_held_container_or_module_after_del() -> None:
+    import weakref
+
+    class Box(list):  # type: ignore[type-arg]  # a list that takes a weakref
+        pass
+
+    a, b, proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    held = Box([a])
+    alive: list[Any] = [weakref.ref(held), weakref.ref(a)]
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(lambda x, l: l[0](x), torch.randn(4, 8, requires_grad=True), held))
+    ckpt.discard_output_and_register_recompute(out)
+    held[0] = b
+    with pytest.raises(CheckpointError, match=r"args\[1\]\[0\]"):
+        out.sum().backward()
+    del ckpt, out, held, a
+    assert all(ref() is None for ref in alive)
+
+
+def test_a_discards_call_walks_its_arguments_once_and_again_when_they_hold_a_module(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once for the refusals and the modules; a module held: once more when the forward
+    # returns, for the places the rebuild must find (NOTE [an output discard's arguments]:
+    # helper RQ counted the second walk, the price of RP's op that sets its own modules).
+    from pytree_ckpt import discard_arguments
+
+    walks: list[str] = []
+    walk = discard_arguments._walk
+
+    def counted(value: object, root: str, /, **options: Any) -> Any:
+        walks.append(root)
+        return walk(value, root, **options)
+
+    monkeypatch.setattr(discard_arguments, "_walk", counted)
+    a, proj = nn.Linear(8, 8), nn.Linear(8, 8)
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(lambda x, l: l[0](x), torch.randn(4, 8, requires_grad=True),
+                               [a, list(range(1000))]))
+    ckpt.discard_output_and_register_recompute(out)
+    assert walks.count("args[1]") == 2
+    walks.clear()
+    ckpt = CheckpointWithoutOutput()
+    out = proj(ckpt.checkpoint(lambda x, l: a(x), torch.randn(4, 8, requires_grad=True),
+                               [list(range(1000))]))
+    ckpt.discard_output_and_register_recompute(out)
+    assert walks.count("args[1]") == 1
