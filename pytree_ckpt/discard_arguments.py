@@ -136,8 +136,9 @@ def _opened(value: object, /) -> bool:
 # (quadratic in a deep nesting). Each place keeps its walk step, and with it its containers (no
 # other object takes their ids until the rebuild's check), for the path of a refusal. Places
 # are kept in the order the walk meets them, which is the order the op iterates: modules
-# reordered in a dict the op loops over would run in another order (helper RP). A container
-# replaced by a copy holding the same module is another place. The places are those the
+# reordered in a dict the op loops over would run in another order (helper RP). Where the
+# places differ, the same modules at the same paths in the same order pass still (a container
+# replaced by a copy; an op building a fresh list of its modules at each call: helper RR). The places are those the
 # forward left (an op may put one of its modules at a new key itself: helper RP), and the
 # rebuild must leave them so too (checked after it: one appending a module at each call ran
 # others in the rebuild, helper RQ).
@@ -244,6 +245,12 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
     now = held_places(args)
     if len(now) == len(then) and all(
             k == j and a[0] is b[0] for (k, a), (j, b) in zip(then.items(), now.items())):
+        return
+    # Other containers, the same paths to the same modules in the same order: an op that
+    # builds a fresh list of them at each call (helper RR), a container replaced by a copy
+    if len(now) == len(then) and all(
+            a[0] is b[0] and _path(a[1], a[2]) == _path(b[1], b[2])
+            for a, b in zip(then.values(), now.values())):
         return
     for place, (module, step, root) in then.items():
         current = now.get(place)

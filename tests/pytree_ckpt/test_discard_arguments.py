@@ -572,10 +572,6 @@ def _held_dict_run(change: Callable[[dict[str, Any]], None] | None, discard: boo
     return [t.grad.clone() for t in (x, *norm.parameters(), *other.parameters())]
 
 
-def _rk_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
-
-
 def _append_plain(d: dict[str, Any]) -> None:
     d["step"] = 3
 
@@ -587,7 +583,7 @@ def _set_same(d: dict[str, Any]) -> None:
 def test_a_held_modules_dict_given_a_plain_entry_or_the_same_module_again_gives_eager_gradients(
 ) -> None:
     for change in (_append_plain, _set_same):
-        assert _rk_same(_held_dict_run(change, True), _held_dict_run(None, False))
+        assert _same(_held_dict_run(change, True), _held_dict_run(None, False))
 
 
 def test_a_held_module_reinserted_under_its_own_key_is_refused_as_a_reordering() -> None:
@@ -605,7 +601,7 @@ def test_a_held_module_reinserted_under_its_own_key_is_refused_as_a_reordering()
         d["n"] = d.pop("n")
         d["m"] = d.pop("m")
 
-    assert _rk_same(_held_dict_run(put_back, True), _held_dict_run(None, False))
+    assert _same(_held_dict_run(put_back, True), _held_dict_run(None, False))
 
 
 def test_a_held_list_with_a_plain_value_appended_and_a_module_held_twice_gives_eager_gradients(
@@ -629,7 +625,7 @@ def test_a_held_list_with_a_plain_value_appended_and_a_module_held_twice_gives_e
         out.sum().backward()
         return [t.grad.clone() for t in (x, *norm.parameters())]
 
-    assert _rk_same(run(True), run(False))
+    assert _same(run(True), run(False))
 
 
 def test_a_manager_chaining_ops_given_held_modules_gives_eager_gradients_and_state() -> None:
@@ -665,8 +661,10 @@ def test_a_manager_chaining_ops_given_held_modules_gives_eager_gradients_and_sta
 
 def _rm_run(make_arg: Callable[[nn.Module, nn.Module], Any],
             op: Callable[[torch.Tensor, Any], torch.Tensor],
-            change: Callable[[Any, nn.Module, nn.Module], None], discard: bool,
-            ) -> list[torch.Tensor]:
+            change: Callable[[Any, nn.Module, nn.Module], None] | None, discard: bool,
+            ) -> list[torch.Tensor | None]:
+    """``proj(op(x, make_arg(a, b)))``, its output discarded or not, ``change`` made to the
+    argument before backward: the gradients of x, a and b."""
     torch.manual_seed(0)
     a, b, proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
@@ -677,9 +675,10 @@ def _rm_run(make_arg: Callable[[nn.Module, nn.Module], Any],
         ckpt.discard_output_and_register_recompute(out)
     else:
         out = proj(op(x, arg))
-    change(arg, a, b)
+    if change is not None:
+        change(arg, a, b)
     out.sum().backward()
-    return [t.grad.clone() for t in (x, *a.parameters())]
+    return [x.grad, *(p.grad for p in a.parameters()), *(p.grad for p in b.parameters())]
 
 
 def _rm_chain(x: torch.Tensor, modules: Any) -> torch.Tensor:
@@ -695,7 +694,7 @@ def test_a_module_appended_to_a_held_list_the_op_iterates_is_refused_or_gives_ea
         lib = _rm_run(lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.append(b), True)
     except CheckpointError:
         return
-    assert _rk_same(lib, eager)
+    assert _same(lib, eager)
 
 
 def test_a_held_module_also_set_at_a_new_place_is_refused_naming_that_place() -> None:
@@ -729,7 +728,7 @@ def test_a_held_list_shortened_after_its_module_or_a_dataclass_given_an_attribut
          lambda arg, a, b: arg.pop("k")),
     ]
     for make, op, change in cases:
-        assert _rk_same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))
+        assert _same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))
 
 
 # Helper RO: 76d1ff0's check at every place, against shared containers, a module held again,
@@ -746,7 +745,7 @@ def test_a_held_container_also_referenced_at_an_earlier_place_gives_eager_gradie
     def refer(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
         arg[0].ref = arg[1]  # a namespace met first now refers to the list holding `a`
 
-    assert _rk_same(_rm_run(_ro_shared, op, refer, True), _rm_run(_ro_shared, op, refer, False))
+    assert _same(_rm_run(_ro_shared, op, refer, True), _rm_run(_ro_shared, op, refer, False))
 
 
 def test_a_given_module_appended_again_to_a_held_list_the_op_iterates_is_refused_or_gives_eager(
@@ -760,7 +759,7 @@ def test_a_given_module_appended_again_to_a_held_list_the_op_iterates_is_refused
     except CheckpointError as e:
         assert "args[1][1]" in str(e)
         return
-    assert _rk_same(lib, eager)
+    assert _same(lib, eager)
 
 
 def test_a_tensor_added_to_a_held_list_the_op_does_not_read_gives_eager_gradients() -> None:
@@ -770,7 +769,7 @@ def test_a_tensor_added_to_a_held_list_the_op_does_not_read_gives_eager_gradient
     def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
         return held[0](x)
 
-    assert _rk_same(_rm_run(lambda a, b: [a], op, add, True),
+    assert _same(_rm_run(lambda a, b: [a], op, add, True),
                     _rm_run(lambda a, b: [a], op, add, False))
 
 
@@ -798,15 +797,16 @@ def test_a_module_held_at_every_level_of_a_deep_nesting_makes_no_path_per_place(
     assert made[0] < 100 * 1000  # linear in the objects held (the NOTE); ~3 million chars now
 
 
-def test_a_held_container_shared_is_checked_by_the_module_it_holds_and_one_replaced_is_refused() -> None:
+def test_a_held_container_shared_or_replaced_by_a_copy_is_checked_by_the_modules_it_holds(
+        ) -> None:
     def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
         return held[0][0](x)
 
     def copy_in(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
-        arg[0] = [a]  # a new list holding the same module: another place, refused
+        arg[0] = [a]  # a new list holding the same module at the same path: eager's gradients
 
-    with pytest.raises(CheckpointError, match="changed between its forward and this backward"):
-        _rm_run(lambda a, b: [[a]], op, copy_in, True)
+    assert _same(_rm_run(lambda a, b: [[a]], op, copy_in, True),
+                    _rm_run(lambda a, b: [[a]], op, copy_in, False))
 
     def shared(a: nn.Module, b: nn.Module) -> list[Any]:
         inner = [a]
@@ -838,7 +838,7 @@ def test_an_op_that_sets_its_given_module_at_a_new_key_in_its_forward_gives_eage
     def nothing(arg: Any, a: nn.Module, b: nn.Module) -> None:
         pass
 
-    assert _rk_same(_rm_run(lambda a, b: {"enc": a}, op, nothing, True),
+    assert _same(_rm_run(lambda a, b: {"enc": a}, op, nothing, True),
                     _rm_run(lambda a, b: {"enc": a}, op, nothing, False))
 
 
@@ -857,15 +857,16 @@ def test_a_held_dict_whose_modules_are_reordered_is_refused_or_gives_eager_gradi
         lib = _rm_run(make, op, reorder, True)
     except CheckpointError:
         return
-    assert _rk_same(lib, eager)
+    assert _same(lib, eager)
 
 
-def test_a_held_container_replaced_by_a_copy_is_refused_naming_its_path() -> None:
-    def copy_in(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
-        arg[0] = [a]
+def test_a_held_container_replaced_by_one_holding_another_module_is_refused_naming_its_path(
+        ) -> None:
+    def other_in(arg: list[Any], a: nn.Module, b: nn.Module) -> None:
+        arg[0] = [b]
 
     with pytest.raises(CheckpointError) as info:
-        _rm_run(lambda a, b: [[a]], lambda x, held: held[0][0](x), copy_in, True)
+        _rm_run(lambda a, b: [[a]], lambda x, held: held[0][0](x), other_in, True)
     assert "args[1][0][0]" in str(info.value)  # 76d1ff0 named it so
 
 
@@ -884,7 +885,7 @@ def test_a_weakref_proxy_added_to_a_held_list_the_op_does_not_read_gives_eager_g
     def op(x: torch.Tensor, held: list[Any]) -> torch.Tensor:
         return held[0](x)
 
-    assert _rk_same(_rm_run(lambda a, b: [a], op, add, True),
+    assert _same(_rm_run(lambda a, b: [a], op, add, True),
                     _rm_run(lambda a, b: [a], op, add, False))
 
 
@@ -906,7 +907,7 @@ def test_held_modules_in_a_slots_dataclass_a_namedtuple_a_frozenset_or_a_list_so
          lambda arg, a, b: setattr(arg[0], "ref", arg[1])),
     ]
     for make, op, change in cases:
-        assert _rk_same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))
+        assert _same(_rm_run(make, op, change, True), _rm_run(make, op, change, False))
 
 
 def test_a_held_module_in_a_slots_dataclass_replaced_is_refused_naming_it() -> None:
@@ -920,28 +921,6 @@ def test_a_held_module_in_a_slots_dataclass_replaced_is_refused_naming_it() -> N
 
 
 # Helper RQ: regression review of e0d1b20 (places read when the forward returns).
-def _rq_run(make_arg: Callable[[nn.Module, nn.Module], Any],
-            op: Callable[[torch.Tensor, Any], torch.Tensor], discard: bool,
-            ) -> list[torch.Tensor | None]:
-    torch.manual_seed(0)
-    a, b, proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-    x = torch.randn(4, 8, requires_grad=True)
-    arg = make_arg(a, b)
-    if discard:
-        ckpt = CheckpointWithoutOutput()
-        out = proj(ckpt.checkpoint(op, x, arg))
-        ckpt.discard_output_and_register_recompute(out)
-    else:
-        out = proj(op(x, arg))
-    out.sum().backward()
-    return [x.grad, *(p.grad for p in a.parameters()), *(p.grad for p in b.parameters())]
-
-
-def _rq_same(ours: list[torch.Tensor | None], eager: list[torch.Tensor | None]) -> bool:
-    return all(p is q is None or p is not None and q is not None and torch.equal(p, q)
-               for p, q in zip(ours, eager))
-
-
 def _rq_append_then_chain(x: torch.Tensor, held: list[nn.Module]) -> torch.Tensor:
     held.append(held[0])  # not idempotent: the rebuild appends once more
     return _rm_chain(x, held)
@@ -967,12 +946,12 @@ def _rq_rotate_then_chain(x: torch.Tensor, held: list[nn.Module]) -> torch.Tenso
 def test_an_op_that_moves_its_held_modules_at_each_call_is_refused_or_gives_eager_gradients(
         op: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
     make: Callable[[nn.Module, nn.Module], Any] = lambda a, b: [a, b]  # noqa: E731
-    eager = _rq_run(make, op, False)
+    eager = _rm_run(make, op, None, False)
     try:
-        ours = _rq_run(make, op, True)
+        ours = _rm_run(make, op, None, True)
     except CheckpointError:
         return  # loud: the rebuild started from other places than the forward did
-    assert _rq_same(ours, eager)
+    assert _same(ours, eager)
 
 
 def test_an_op_that_sets_its_module_at_a_new_key_in_a_checkpointed_layer_gives_eager_state(
@@ -1081,3 +1060,110 @@ def test_a_discards_call_walks_its_arguments_once_and_again_when_they_hold_a_mod
                                [list(range(1000))]))
     ckpt.discard_output_and_register_recompute(out)
     assert walks.count("args[1]") == 1
+
+
+# Helper RR: regression review of fb47df4 (places checked again after the rebuild's op).
+def _rr_fresh_list(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+    held["seq"] = [held["a"], held["b"]]  # a fresh list of the same modules at each call
+    return _rm_chain(x, held["seq"])
+
+
+def _rr_fresh_tuple(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+    held["seq"] = (held["a"], held["b"])
+    return _rm_chain(x, held["seq"])
+
+
+@pytest.mark.parametrize("op", [_rr_fresh_list, _rr_fresh_tuple])
+def test_an_op_that_builds_a_fresh_list_of_its_modules_at_each_call_gives_eager_gradients(
+        op: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+    def make(a: nn.Module, b: nn.Module) -> dict[str, Any]:
+        return {"a": a, "b": b}
+
+    assert _same(_rm_run(make, op, None, True), _rm_run(make, op, None, False))
+
+
+def _rr_set_same(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+    held["a"] = held["a"]
+    return held["b"](held["a"](x))
+
+
+def _rr_lazy(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+    if "cache" not in held:  # cached on the first call only
+        held["cache"] = held["a"]
+    return held["b"](held["cache"](x))
+
+
+def _rr_setdefault_and_read_missing(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+    held.setdefault("c", held["a"])
+    _ = held["missing"]  # a defaultdict: an empty list put in at the first call
+    return held["b"](held["c"](x))
+
+
+@pytest.mark.parametrize("op", [_rr_set_same, _rr_lazy, _rr_setdefault_and_read_missing])
+def test_an_idempotent_op_on_its_held_dict_passes_the_check_after_its_rebuild(
+        op: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
+    def make(a: nn.Module, b: nn.Module) -> dict[str, Any]:
+        return collections.defaultdict(list, {"a": a, "b": b})
+
+    assert _same(_rm_run(make, op, None, True), _rm_run(make, op, None, False))
+
+
+class _RRLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.proj = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+    def op(self, x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+        held["seq"] = [held["a"], held["bn"]]
+        return _rm_chain(x, held["seq"])
+
+    def forward(self, x: torch.Tensor, discard: bool) -> torch.Tensor:
+        held = {"a": self.a, "bn": self.bn}
+        if not discard:
+            return self.proj(self.op(x, held))
+        ckpt = CheckpointWithoutOutput()
+        out = self.proj(ckpt.checkpoint(self.op, x, held))
+        ckpt.discard_output_and_register_recompute(out)
+        return out
+
+
+def test_a_method_building_a_fresh_list_in_a_checkpointed_layer_gives_eager_state() -> None:
+    def run(discard: bool) -> list[torch.Tensor | None]:
+        torch.manual_seed(0)
+        layer = _RRLayer()
+        for x in torch.randn(2, 4, 8):
+            x = x.clone().requires_grad_()
+            out = pytree_ckpt.checkpoint(layer, x, discard) if discard else layer(x, False)
+            out.sum().backward()
+        return [*(p.grad for p in layer.parameters()), *layer.bn.buffers()]
+
+    assert _same(run(True), run(False))
+
+
+def test_a_refusal_after_the_rebuild_leaves_the_outputs_freed_and_the_stats_as_forward() -> None:
+    import weakref
+
+    class Box(dict):  # type: ignore[type-arg]  # a dict that takes a weakref
+        pass
+
+    torch.manual_seed(0)
+    a, bn, proj = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+    held = Box(a=a, b=bn)
+    ckpt = CheckpointWithoutOutput()
+    y = ckpt.checkpoint(_rr_new_key_then_chain, torch.randn(4, 8, requires_grad=True), held)
+    out = proj(y)
+    ckpt.discard_output_and_register_recompute(out)
+    stats = [t.clone() for t in bn.buffers()]
+    with pytest.raises(CheckpointError, match=r"the rebuild of .* left the modules"):
+        out.sum().backward()
+    assert y.untyped_storage().nbytes() == 0  # nothing refilled
+    assert all(torch.equal(s, t) for s, t in zip(stats, bn.buffers()))  # replay on copies
+    assert a.weight.grad is None and proj.weight.grad is None
+    alive = [weakref.ref(held), weakref.ref(a), weakref.ref(ckpt)]
+    del ckpt, out, y, held, a
+    assert all(ref() is None for ref in alive)
+
+
+def _rr_new_key_then_chain(x: torch.Tensor, held: dict[str, Any]) -> torch.Tensor:
+    held[f"k{len(held)}"] = held["a"]  # a new key at each call
+    return _rm_chain(x, list(held.values()))
