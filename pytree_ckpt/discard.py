@@ -66,7 +66,8 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import Places, checked_arguments, held_places, refuse_held_replaced
+from .discard_arguments import (Places, checked_arguments, held_places, refuse_held_replaced,
+                                refuse_taken_out)
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -248,7 +249,8 @@ class CheckpointWithoutOutput:
                                  "CheckpointWithoutOutput per op (ckpt.checkpoint(norm, x)), "
                                  "or one CheckpointWithoutOutputManager for the block")
         places = checked_arguments(fn, args, kwargs)  # NOTE [an output discard's arguments]
-        held = list({id(m): m for m, _, _ in places.values()}.values())
+        held = list({id(m): m for m, _, _ in places.values() if isinstance(m, nn.Module)}
+                    .values())
         # Set only once the call is accepted: a refused call leaves the object unused, to retry.
         self.fn = fn
         self.kwargs = kwargs
@@ -339,6 +341,7 @@ class CheckpointWithoutOutput:
             # forward left them; the containers alone (no tensor inputs)
             containers = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
             self.held = (containers, held_places(containers))
+            refuse_taken_out(fn, places, self.held[1])
         # After the Function's call: a fullgraph body is refused at this method's call (NOTE
         # [discard stays eager]), before this ContextVar read.
         note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)

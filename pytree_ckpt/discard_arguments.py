@@ -19,7 +19,8 @@ from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["Places", "checked_arguments", "held_places", "refuse_held_replaced"]
+__all__ = ["Places", "checked_arguments", "held_places", "refuse_held_replaced",
+           "refuse_taken_out"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -75,12 +76,24 @@ def _path(step: _Step, root: str, /) -> str:
     return root + "".join(reversed(parts))
 
 
+def _route(step: _Step, /) -> tuple[object, ...]:
+    """How ``step``'s object is reached from its root: the indices, keys and names on the way
+    (a set's members by identity)."""
+    hows: list[object] = []
+    node: _Step | None = step
+    while node is not None and node[1] is not None:
+        hows.append(("member", id(node[0])) if node[2] is ... else node[2])
+        node = node[1]
+    return tuple(reversed(hows))
+
+
 def _walk(value: object, root: str, /, *, proxies: bool = True
-          ) -> Iterator[tuple[object, _Step, bool]]:
+          ) -> Iterator[tuple[object, _Step, bool | None]]:
     """Each object reachable in ``value`` as the NOTE says: the object, its step and whether
-    the walk opened it; what it opens once, a tensor, module or plain value at each place it is
-    held. A weakref.proxy on the way is refused, named by its path (``proxies``; else it is
-    met, not opened: one put in since the call is not the call's to refuse, helper RP)."""
+    the walk opened it (``None``: a container it opened before, met again at another place);
+    what it opens once, a tensor, module or plain value at each place it is held. A
+    weakref.proxy on the way is refused, named by its path (``proxies``; else it is met, not
+    opened: one put in since the call is not the call's to refuse, helper RP)."""
     seen: set[int] = set()
     stack: list[_Step] = [(value, None, None)]
     while stack:
@@ -95,6 +108,7 @@ def _walk(value: object, root: str, /, *, proxies: bool = True
             yield item, step, False  # at each place it is held (helper RM)
             continue
         if id(item) in seen:
+            yield item, step, None
             continue
         seen.add(id(item))
         if isinstance(item, (list, tuple)):
@@ -129,21 +143,24 @@ def _opened(value: object, /) -> bool:
         dataclasses.is_dataclass(value) and not isinstance(value, type))
 
 
-# Where a module is held: the container holding it (by id) and how (an index, a key, a name;
-# a set member, or a dict key, by its own id). Not a path from the root: a container referenced
+# Where a module is held: the container holding it (by id) and how (an index, a key, a name; a
+# set member, or a dict key, by its own id). Not a path from the root: a container referenced
 # from a place the walk meets first would move every module in it to another path (helper RO:
 # refused, naming a place that still held the module), and a path per place costs its depth
 # (quadratic in a deep nesting). Each place keeps its walk step, and with it its containers (no
-# other object takes their ids until the rebuild's check), for the path of a refusal. Places
-# are kept in the order the walk meets them, which is the order the op iterates: modules
-# reordered in a dict the op loops over would run in another order (helper RP). Where the
-# places differ, the same modules at the same paths in the same order pass still (a container
-# replaced by a copy; an op building a fresh list of its modules at each call: helper RR). The places are those the
-# forward left (an op may put one of its modules at a new key itself: helper RP), and the
-# rebuild must leave them so too (checked after it: one appending a module at each call ran
-# others in the rebuild, helper RQ).
+# other object takes their ids until the rebuild's check), for the path of a refusal. Places are
+# kept in the order the walk meets them, which is the order the op iterates: modules reordered
+# in a dict the op loops over would run in another order (helper RP). Where the places differ,
+# the same modules at the same paths in the same order (containers by class) pass still (a
+# container replaced by a copy; an op building a fresh list of its modules at each call: helper
+# RR), compared by their keys, not their text. Where a container holding modules is held is a
+# place too (helper RS: one met again elsewhere, emptied there, was silent). The places are
+# those the forward left (an op may put one of its modules at a new key itself: helper RP), and
+# the rebuild must leave them so too (checked after it: one appending a module at each call ran
+# others in the rebuild, helper RQ); one that takes a module it was given out is refused when it
+# returns (refuse_taken_out).
 _Place = tuple[int, object]
-Places = dict[_Place, tuple[nn.Module, _Step, str]]
+Places = dict[_Place, tuple[object, _Step, str]]  # a module, or a container holding one
 
 
 def _place(step: _Step, /) -> _Place:
@@ -159,14 +176,29 @@ def _look(value: object, root: str, refuse: Callable[[str], NoReturn] | None, pl
     the path of a tensor (or, ``modules_too``, of a module) held in it, and a weakref.proxy is
     refused (else passed over)."""
     other = False
+    references: list[_Step] = []  # where containers are held (not the argument itself)
+    holding: set[int] = set()  # the containers that hold a module, at any depth
     for item, step, opened in _walk(value, root, proxies=refuse is not None):
         if refuse is not None and (isinstance(item, torch.Tensor) or
                                    modules_too and isinstance(item, nn.Module)):
             refuse(_path(step, root))
         if isinstance(item, nn.Module):
             places[_place(step)] = (item, step, root)
+            node = step[1]
+            while node is not None and id(node[0]) not in holding:
+                holding.add(id(node[0]))
+                node = node[1]
+        elif opened is None or opened and step[1] is not None:
+            references.append(step)
         elif not opened and not isinstance(item, _PLAIN):
             other = True
+    # Each place a container holding modules is held at is a place too, where it was opened
+    # and where it was met again: emptied or replaced at the second, the op reading it there
+    # ran other modules (helper RS). One that holds none is not: its places would refuse
+    # changes that move no module.
+    for step in references:
+        if id(step[0]) in holding:
+            places[_place(step)] = (step[0], step, root)
     if other and refuse is not None:
         flat = flatten(value, root=root)
         refuse_proxies(flat, root=root)  # NOTE [a weakref.proxy leaf]
@@ -246,10 +278,13 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
     if len(now) == len(then) and all(
             k == j and a[0] is b[0] for (k, a), (j, b) in zip(then.items(), now.items())):
         return
-    # Other containers, the same paths to the same modules in the same order: an op that
-    # builds a fresh list of them at each call (helper RR), a container replaced by a copy
+    # Other containers, the same routes to the same modules in the same order: an op that
+    # builds a fresh list of them at each call (helper RR), a container replaced by a copy.
+    # Routes by their keys, not by the text of their paths (helper RS: two keys that print
+    # alike told apart only by identity).
     if len(now) == len(then) and all(
-            a[0] is b[0] and _path(a[1], a[2]) == _path(b[1], b[2])
+            (a[0] is b[0] or not isinstance(a[0], nn.Module) and type(a[0]) is type(b[0]))
+            and a[2] == b[2] and _route(a[1]) == _route(b[1])
             for a, b in zip(then.values(), now.values())):
         return
     for place, (module, step, root) in then.items():
@@ -260,7 +295,10 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
             expected = f"the {type(module).__name__} the forward was given"
             break
     else:
-        added = next((v for k, v in now.items() if k not in then), None)
+        # the most specific new place (a namespace now holding a list of modules holds them
+        # too: name the list's place in it)
+        added = max((v for k, v in now.items() if k not in then),
+                    key=lambda v: len(_route(v[1])), default=None)
         if added is not None:
             module, step, root = added
             where, expected, got = _path(step, root), "no module", f"a {type(module).__name__}"
@@ -283,3 +321,21 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
         "another order, and give their gradients there",
         expected=f"{where}: {expected}", got=f"{where}: {got}",
         tip="change the modules an argument holds between steps (after backward)")
+
+
+def refuse_taken_out(fn: Callable[..., Any], before: Places, after: Places, /) -> None:
+    """Refuse an op that took one of the modules it was given (``before``: the places at the
+    call) out of its arguments while it ran (``after``: at its return): its rebuild would not
+    find it, and run other modules than its forward (helper RS: `while q: x = q.pop(0)(x)`
+    rebuilt nothing)."""
+    still = {id(module) for module, _, _ in after.values()}
+    for module, step, root in before.values():
+        if isinstance(module, nn.Module) and id(module) not in still:
+            raise CheckpointError(
+                f"{callable_name(fn)} took a module it was given out of its arguments while "
+                "it ran: its rebuild in backward would not find it, and would run other "
+                "modules than its forward",
+                expected=f"{_path(step, root)}: the {type(module).__name__}, still held when "
+                         "the op returns", got="no longer held anywhere in the arguments",
+                tip="keep the op from changing its arguments' containers (pass it a copy: "
+                    "ckpt.checkpoint(fn, x, list(queue))), or do not discard its output")
