@@ -262,6 +262,16 @@ def held_places(args: tuple[Any, ...], /) -> Places:
     return places
 
 
+def _same_routes(then: Places, now: Places, /) -> bool:
+    """The same modules, reached by the same routes (keys equal), containers of one class."""
+    try:
+        return all((a[0] is b[0] or not isinstance(a[0], nn.Module) and
+                    type(a[0]) is type(b[0])) and a[2] == b[2] and
+                   bool(_route(a[1]) == _route(b[1])) for a, b in zip(then.values(), now.values()))
+    except Exception:  # a key whose == raises, or answers no bool: not told equal, refused
+        return False
+
+
 def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /, *,
                          rebuilt: bool = False) -> None:
     """Refuse the rebuild of a discard of ``fn`` unless ``args`` hold the modules they held
@@ -282,10 +292,7 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
     # builds a fresh list of them at each call (helper RR), a container replaced by a copy.
     # Routes by their keys, not by the text of their paths (helper RS: two keys that print
     # alike told apart only by identity).
-    if len(now) == len(then) and all(
-            (a[0] is b[0] or not isinstance(a[0], nn.Module) and type(a[0]) is type(b[0]))
-            and a[2] == b[2] and _route(a[1]) == _route(b[1])
-            for a, b in zip(then.values(), now.values())):
+    if len(now) == len(then) and _same_routes(then, now):
         return
     for place, (module, step, root) in then.items():
         current = now.get(place)
