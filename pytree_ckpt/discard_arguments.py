@@ -76,13 +76,26 @@ def _path(step: _Step, root: str, /) -> str:
     return root + "".join(reversed(parts))
 
 
+def _how(how: object, /) -> object:
+    """A step's ``how`` as places and routes compare it: a dict key of a plain class by value,
+    any other key by identity (its ``==`` is never called: helper RT, one answering a truthy
+    non-bool let swapped modules through, one raising crashed backward); a dict's keys and a
+    set's members by their place in no order (their identity is compared as the object's)."""
+    if how is ... or isinstance(how, tuple) and how[0] == "key":
+        return ("member",)
+    if isinstance(how, tuple):  # (None, key): a dict's value under that key
+        key = how[1]
+        return ("value", key) if type(key) in _EXACTLY_PLAIN else ("value-of", id(key))
+    return how
+
+
 def _route(step: _Step, /) -> tuple[object, ...]:
     """How ``step``'s object is reached from its root: the indices, keys and names on the way
-    (a set's members by identity)."""
+    (a set's members, and a dict's keys, as members of it)."""
     hows: list[object] = []
     node: _Step | None = step
     while node is not None and node[1] is not None:
-        hows.append(("member", id(node[0])) if node[2] is ... else node[2])
+        hows.append(_how(node[2]))
         node = node[1]
     return tuple(reversed(hows))
 
@@ -164,10 +177,9 @@ Places = dict[_Place, tuple[object, _Step, str]]  # a module, or a container hol
 
 
 def _place(step: _Step, /) -> _Place:
-    parent, how = step[1], step[2]
+    parent, how = step[1], _how(step[2])
     assert parent is not None
-    member = how is ... or isinstance(how, tuple) and how[0] == "key"
-    return id(parent[0]), ("member", id(step[0])) if member else how
+    return id(parent[0]), ("member", id(step[0])) if how == ("member",) else how
 
 
 def _look(value: object, root: str, refuse: Callable[[str], NoReturn] | None, places: Places,
@@ -263,13 +275,15 @@ def held_places(args: tuple[Any, ...], /) -> Places:
 
 
 def _same_routes(then: Places, now: Places, /) -> bool:
-    """The same modules, reached by the same routes (keys equal), containers of one class."""
-    try:
-        return all((a[0] is b[0] or not isinstance(a[0], nn.Module) and
-                    type(a[0]) is type(b[0])) and a[2] == b[2] and
-                   bool(_route(a[1]) == _route(b[1])) for a, b in zip(then.values(), now.values()))
-    except Exception:  # a key whose == raises, or answers no bool: not told equal, refused
-        return False
+    """The same modules, reached by the same routes, containers of one class, in order."""
+    return all(_alike(a[0], b[0]) and a[2] == b[2] and _route(a[1]) == _route(b[1])
+               for a, b in zip(then.values(), now.values()))
+
+
+def _alike(then: object, now: object, /) -> bool:
+    """A module is the same object; a container, one of the same class (an op building a fresh
+    list of its modules at each call)."""
+    return then is now or not isinstance(then, nn.Module) and type(then) is type(now)
 
 
 def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /, *,
@@ -331,18 +345,22 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
 
 
 def refuse_taken_out(fn: Callable[..., Any], before: Places, after: Places, /) -> None:
-    """Refuse an op that took one of the modules it was given (``before``: the places at the
-    call) out of its arguments while it ran (``after``: at its return): its rebuild would not
-    find it, and run other modules than its forward (helper RS: `while q: x = q.pop(0)(x)`
-    rebuilt nothing)."""
-    still = {id(module) for module, _, _ in after.values()}
-    for module, step, root in before.values():
-        if isinstance(module, nn.Module) and id(module) not in still:
-            raise CheckpointError(
-                f"{callable_name(fn)} took a module it was given out of its arguments while "
-                "it ran: its rebuild in backward would not find it, and would run other "
-                "modules than its forward",
-                expected=f"{_path(step, root)}: the {type(module).__name__}, still held when "
-                         "the op returns", got="no longer held anywhere in the arguments",
-                tip="keep the op from changing its arguments' containers (pass it a copy: "
-                    "ckpt.checkpoint(fn, x, list(queue))), or do not discard its output")
+    """Refuse an op that took a module it was given (``before``: the places at the call), or a
+    container of them, from where it found it while it ran (``after``: at its return), by
+    route: its rebuild in backward would not find it there (helper RS: `while q: x =
+    q.pop(0)(x)` rebuilt nothing; helper RT: `d["b"] = d.pop("a")` raised the op's KeyError).
+    Put at new places too is fine (an op caching its module at a new key: helper RP)."""
+    found: dict[tuple[str, tuple[object, ...]], list[object]] = {}
+    for obj, step, root in after.values():
+        found.setdefault((root, _route(step)), []).append(obj)
+    for obj, step, root in before.values():
+        if any(_alike(obj, other) for other in found.get((root, _route(step)), ())):
+            continue
+        raise CheckpointError(
+            f"{callable_name(fn)} took a module it was given, or a container of modules, from "
+            "where it found it while it ran: its rebuild in backward would not find it there, "
+            "and would run other modules than its forward",
+            expected=f"{_path(step, root)}: the {type(obj).__name__}, still there when the op "
+                     "returns", got=f"{_path(step, root)}: taken out or moved",
+            tip="keep the op from changing the containers it is given (iterate over a copy "
+                "inside it: for m in list(queue)), or do not discard its output")
