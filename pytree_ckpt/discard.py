@@ -66,8 +66,8 @@ from torch import nn
 from .census import ActivationCensus, active_census
 from .changed_in_place import ParameterVersions, refuse_parameters_changed
 from .discard_aliases import reachable_tensors, register_rebuild
-from .discard_arguments import (Places, checked_arguments, held_places, refuse_held_replaced,
-                                refuse_taken_out)
+from .discard_arguments import (Places, checked_arguments, held_places, module_routes,
+                                refuse_held_replaced, refuse_taken_out)
 from .discard_function import DiscardFunction
 from .discard_refusals import check_hook_tensor, refuse_discarded_hook, refuse_fp8
 from .eager import DISCARD_REASON, runs_eagerly
@@ -336,12 +336,14 @@ class CheckpointWithoutOutput:
             return output
         if owner is None:  # NOTE [a module rebound before the replay] (rebound.py)
             self.bound = modules_bound_now(fn)
+        if held:  # NOTE [an output discard's arguments]: where the op finds its modules
+            containers = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
+            routes = module_routes(containers)
         outputs = tuple(DiscardFunction.apply(self, *args, *(self.params or ())))
         if held:  # NOTE [an output discard's arguments]: checked again at the rebuild, as the
             # forward left them; the containers alone (no tensor inputs)
-            containers = tuple(None if isinstance(a, torch.Tensor) else a for a in args)
             self.held = (containers, held_places(containers))
-            refuse_taken_out(fn, places, self.held[1])
+            refuse_taken_out(fn, routes, containers)
         # After the Function's call: a fullgraph body is refused at this method's call (NOTE
         # [discard stays eager]), before this ContextVar read.
         note_discard()  # NOTE [a replay kept between restricted backwards] (kept_replay.py)

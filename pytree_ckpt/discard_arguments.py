@@ -19,8 +19,8 @@ from .errors import CheckpointConfigError, CheckpointError
 from .frames import callable_name
 from .tree import dunder, flatten, is_proxy, proxy_refused, refuse_proxies
 
-__all__ = ["Places", "checked_arguments", "held_places", "refuse_held_replaced",
-           "refuse_taken_out"]
+__all__ = ["Places", "checked_arguments", "held_places", "module_routes",
+           "refuse_held_replaced", "refuse_taken_out"]
 
 # NOTE [an output discard's arguments]: the discard saves its tensor arguments through
 # autograd and differentiates the rebuilt graph to them and to its modules' parameters, so:
@@ -85,8 +85,14 @@ def _how(how: object, /) -> object:
         return ("member",)
     if isinstance(how, tuple):  # (None, key): a dict's value under that key
         key = how[1]
-        return ("value", key) if type(key) in _EXACTLY_PLAIN else ("value-of", id(key))
+        return ("value", key) if _plain_key(key) else ("value-of", id(key))
     return how
+
+
+def _plain_key(key: object, /) -> bool:
+    """A key compared by value: of a plain class, or a tuple of such (helper RU: a fresh dict
+    keyed by computed tuples was refused)."""
+    return type(key) in _EXACTLY_PLAIN or type(key) is tuple and all(map(_plain_key, key))
 
 
 def _route(step: _Step, /) -> tuple[object, ...]:
@@ -124,30 +130,32 @@ def _walk(value: object, root: str, /, *, proxies: bool = True
             yield item, step, None
             continue
         seen.add(id(item))
-        if isinstance(item, (list, tuple)):
-            stack.extend((v, step, k) for k, v in reversed(list(enumerate(item)))
-                         if type(v) not in _EXACTLY_PLAIN)
-        elif isinstance(item, (set, frozenset)):
-            stack.extend((v, step, ...) for v in reversed(list(item))
-                         if type(v) not in _EXACTLY_PLAIN)
-        elif isinstance(item, dict):
-            keys = list(item)
-            stack.extend((keys[n], step, ("key", n)) for n in range(len(keys) - 1, -1, -1)
-                         if type(keys[n]) not in _EXACTLY_PLAIN)
-            stack.extend((v, step, (None, k)) for k, v in reversed(list(item.items()))
-                         if type(v) not in _EXACTLY_PLAIN)
-        elif isinstance(item, types.SimpleNamespace):
-            stack.extend((v, step, k) for k, v in reversed(vars(item).items()))
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            held = dunder(item, "__dict__")
-            stack.extend((v, step, k) for k, v in
-                         reversed(held.items() if isinstance(held, dict) else ()))
-            stack.extend((dunder(item, f.name), step, f.name)
-                         for f in reversed(dataclasses.fields(cast(Any, item))))
-        else:
+        children = _children(item)
+        if children is None:
             yield item, step, False
             continue
+        stack.extend((v, step, how) for v, how in reversed(children))
         yield item, step, True
+
+
+def _children(item: object, /) -> list[tuple[Any, Any]] | None:
+    """What the walk opens ``item`` to, in order, each with how it is held there (values of
+    exactly a plain class left out: they hold nothing); ``None`` where it does not open it."""
+    if isinstance(item, (list, tuple)):
+        return [(v, k) for k, v in enumerate(item) if type(v) not in _EXACTLY_PLAIN]
+    if isinstance(item, (set, frozenset)):
+        return [(v, ...) for v in item if type(v) not in _EXACTLY_PLAIN]
+    if isinstance(item, dict):
+        keys = list(item)
+        return [(v, (None, k)) for k, v in item.items() if type(v) not in _EXACTLY_PLAIN] + \
+            [(k, ("key", n)) for n, k in enumerate(keys) if type(k) not in _EXACTLY_PLAIN]
+    if isinstance(item, types.SimpleNamespace):
+        return [(v, k) for k, v in vars(item).items()]
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        held = dunder(item, "__dict__")
+        return [(dunder(item, f.name), f.name) for f in dataclasses.fields(cast(Any, item))] + \
+            [(v, k) for k, v in (held.items() if isinstance(held, dict) else ())]
+    return None
 
 
 def _opened(value: object, /) -> bool:
@@ -164,14 +172,15 @@ def _opened(value: object, /) -> bool:
 # other object takes their ids until the rebuild's check), for the path of a refusal. Places are
 # kept in the order the walk meets them, which is the order the op iterates: modules reordered
 # in a dict the op loops over would run in another order (helper RP). Where the places differ,
-# the same modules at the same paths in the same order (containers by class) pass still (a
+# the same modules at the same paths in the same order (containers of any class) pass still (a
 # container replaced by a copy; an op building a fresh list of its modules at each call: helper
 # RR), compared by their keys, not their text. Where a container holding modules is held is a
 # place too (helper RS: one met again elsewhere, emptied there, was silent). The places are
 # those the forward left (an op may put one of its modules at a new key itself: helper RP), and
 # the rebuild must leave them so too (checked after it: one appending a module at each call ran
-# others in the rebuild, helper RQ); one that takes a module it was given out is refused when it
-# returns (refuse_taken_out).
+# others in the rebuild, helper RQ); one that takes a module it was given from where it found it
+# is refused when it returns, by every route to it (refuse_taken_out; helper RU: by the walk's
+# first route, an alias the op put at an earlier key read as a move).
 _Place = tuple[int, object]
 Places = dict[_Place, tuple[object, _Step, str]]  # a module, or a container holding one
 
@@ -275,15 +284,16 @@ def held_places(args: tuple[Any, ...], /) -> Places:
 
 
 def _same_routes(then: Places, now: Places, /) -> bool:
-    """The same modules, reached by the same routes, containers of one class, in order."""
+    """The same modules, reached by the same routes, in order."""
     return all(_alike(a[0], b[0]) and a[2] == b[2] and _route(a[1]) == _route(b[1])
                for a, b in zip(then.values(), now.values()))
 
 
 def _alike(then: object, now: object, /) -> bool:
-    """A module is the same object; a container, one of the same class (an op building a fresh
-    list of its modules at each call)."""
-    return then is now or not isinstance(then, nn.Module) and type(then) is type(now)
+    """A module is the same object; a container, any container (an op building a fresh list
+    of its modules at each call, or making a list a tuple: helper RU): the modules in it are
+    compared at their own places."""
+    return then is now or not isinstance(then, nn.Module) and not isinstance(now, nn.Module)
 
 
 def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Places, /, *,
@@ -344,23 +354,68 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
         tip="change the modules an argument holds between steps (after backward)")
 
 
-def refuse_taken_out(fn: Callable[..., Any], before: Places, after: Places, /) -> None:
-    """Refuse an op that took a module it was given (``before``: the places at the call), or a
-    container of them, from where it found it while it ran (``after``: at its return), by
-    route: its rebuild in backward would not find it there (helper RS: `while q: x =
-    q.pop(0)(x)` rebuilt nothing; helper RT: `d["b"] = d.pop("a")` raised the op's KeyError).
-    Put at new places too is fine (an op caching its module at a new key: helper RP)."""
-    found: dict[tuple[str, tuple[object, ...]], list[object]] = {}
-    for obj, step, root in after.values():
-        found.setdefault((root, _route(step)), []).append(obj)
-    for obj, step, root in before.values():
-        if any(_alike(obj, other) for other in found.get((root, _route(step)), ())):
+# The routes module_routes follows at most: sharing (a list held at two places of a list held
+# at two places...) multiplies routes; past this many steps the check at the op's return is not
+# made (the checks before and after the rebuild still are).
+_MOST_ROUTE_STEPS = 100_000
+
+
+def module_routes(args: tuple[Any, ...], /
+                  ) -> dict[tuple[str, tuple[object, ...]], nn.Module] | None:
+    """Every route to a module held in ``args``' containers, by each path to it (a container
+    held at two places gives its modules two routes; helper RU: by the walk's first route
+    alone, an alias the op put at an earlier key hid the place it found them at). ``None``
+    past _MOST_ROUTE_STEPS."""
+    found: dict[tuple[str, tuple[object, ...]], nn.Module] = {}
+    steps = 0
+    for i, arg in enumerate(args):
+        if not _opened(arg):
+            continue
+        stack: list[tuple[object, tuple[object, ...], frozenset[int]]] = [(arg, (), frozenset())]
+        while stack:
+            item, route, inside = stack.pop()
+            steps += 1
+            if steps > _MOST_ROUTE_STEPS:
+                return None
+            if is_proxy(item):
+                continue
+            if isinstance(item, nn.Module):
+                found[(f"args[{i}]", route)] = item
+            elif id(item) not in inside:  # a cycle ends
+                within = inside | {id(item)}
+                stack.extend((child, route + (_how(how),), within)
+                             for child, how in _children(item) or ())
+    return found
+
+
+def refuse_taken_out(fn: Callable[..., Any],
+                     before: dict[tuple[str, tuple[object, ...]], nn.Module] | None,
+                     args: tuple[Any, ...], /) -> None:
+    """Refuse an op that took a module it was given (``before``: its routes at the call) from
+    where it found it while it ran (``args`` at its return): its rebuild in backward would not
+    find it there (helper RS: `while q: x = q.pop(0)(x)` rebuilt nothing; helper RT: `d["b"]
+    = d.pop("a")` raised the op's KeyError). Put at new places too is fine (an op caching its
+    module at a new key: helper RP), and so is a container made another (a list a tuple)."""
+    after = module_routes(args) if before else None
+    if before is None or after is None:
+        return  # nothing held, or past the bound
+    for (root, route), module in before.items():
+        if after.get((root, route)) is module:
             continue
         raise CheckpointError(
-            f"{callable_name(fn)} took a module it was given, or a container of modules, from "
-            "where it found it while it ran: its rebuild in backward would not find it there, "
-            "and would run other modules than its forward",
-            expected=f"{_path(step, root)}: the {type(obj).__name__}, still there when the op "
-                     "returns", got=f"{_path(step, root)}: taken out or moved",
+            f"{callable_name(fn)} took a module it was given from where it found it while it "
+            "ran: its rebuild in backward would not find it there, and would run other modules "
+            "than its forward",
+            expected=f"{_route_text(root, route)}: the {type(module).__name__}, still there "
+                     "when the op returns", got=f"{_route_text(root, route)}: taken out or moved",
             tip="keep the op from changing the containers it is given (iterate over a copy "
                 "inside it: for m in list(queue)), or do not discard its output")
+
+
+def _route_text(root: str, route: tuple[object, ...], /) -> str:
+    """``route`` as a path from ``root`` (``args[1]['mods'][0]``)."""
+    parts = [f"[{how}]" if isinstance(how, int) else f".{how}" if isinstance(how, str) else
+             "{...}" if how == ("member",) else
+             f"[{how[1]!r}]" if isinstance(how, tuple) and how[0] == "value" else "[<key>]"
+             for how in route]
+    return root + "".join(parts)

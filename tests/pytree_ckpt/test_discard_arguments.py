@@ -1474,3 +1474,52 @@ def test_an_op_moving_its_module_to_another_key_gives_eager_gradients_or_a_refus
     except CheckpointError:
         return
     assert _same(ours, eager)
+
+
+# Helper RU: regressions of 492c310 (refuse_taken_out by route, keys by identity).
+
+def _ru_alias_earlier(x: torch.Tensor, d: Any) -> torch.Tensor:
+    d["cache"] = d["mods"]  # the same list, aliased at a key the walk meets first
+    return _rm_chain(x, d["cache"])
+
+
+def _ru_to_tuple(x: torch.Tensor, d: Any) -> torch.Tensor:
+    d["mods"] = tuple(d["mods"])  # idempotent: the rebuild sees the tuple the forward left
+    return _rm_chain(x, d["mods"])
+
+
+def _ru_tuple_keys(x: torch.Tensor, d: Any) -> torch.Tensor:
+    d["by"] = {(i, "m"): m for i, m in enumerate(d["mods"])}  # fresh keys, equal values
+    return _rm_chain(x, d["by"].values())
+
+
+def test_an_op_aliasing_its_held_list_at_an_earlier_key_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return {"cache": None, "mods": [a, b]}
+    eager = _rm_run(make, _ru_alias_earlier, None, discard=False)
+    got = _rm_run(make, _ru_alias_earlier, None, discard=True)
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))
+
+
+def test_an_op_converting_its_held_list_to_a_tuple_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return {"mods": [a, b]}
+    eager = _rm_run(make, _ru_to_tuple, None, discard=False)
+    got = _rm_run(make, _ru_to_tuple, None, discard=True)
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))
+
+
+def test_an_op_building_a_fresh_dict_keyed_by_computed_tuples_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return {"mods": [a, b]}
+    eager = _rm_run(make, _ru_tuple_keys, None, discard=False)
+    got = _rm_run(make, _ru_tuple_keys, None, discard=True)
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))
+
+
+def test_a_read_only_op_over_a_dict_keyed_by_tuples_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return {(0, "x"): a, (1, "y"): b}
+    eager = _rm_run(make, lambda x, d: _rm_chain(x, d.values()), None, discard=False)
+    got = _rm_run(make, lambda x, d: _rm_chain(x, d.values()), None, discard=True)
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))
