@@ -360,13 +360,15 @@ def refuse_held_replaced(fn: Callable[..., Any], args: tuple[Any, ...], then: Pl
 _MOST_ROUTE_STEPS = 100_000
 
 
-def module_routes(args: tuple[Any, ...], /
-                  ) -> dict[tuple[str, tuple[object, ...]], nn.Module] | None:
+_Routes = dict[tuple[str, tuple[object, ...]], list[nn.Module]]
+
+
+def module_routes(args: tuple[Any, ...], /) -> _Routes | None:
     """Every route to a module held in ``args``' containers, by each path to it (a container
     held at two places gives its modules two routes; helper RU: by the walk's first route
     alone, an alias the op put at an earlier key hid the place it found them at). ``None``
     past _MOST_ROUTE_STEPS."""
-    found: dict[tuple[str, tuple[object, ...]], nn.Module] = {}
+    found: _Routes = {}  # a list: a set's members share their route (helper RV)
     steps = 0
     for i, arg in enumerate(args):
         if not _opened(arg):
@@ -380,7 +382,7 @@ def module_routes(args: tuple[Any, ...], /
             if is_proxy(item):
                 continue
             if isinstance(item, nn.Module):
-                found[(f"args[{i}]", route)] = item
+                found.setdefault((f"args[{i}]", route), []).append(item)
             elif id(item) not in inside:  # a cycle ends
                 within = inside | {id(item)}
                 stack.extend((child, route + (_how(how),), within)
@@ -388,9 +390,8 @@ def module_routes(args: tuple[Any, ...], /
     return found
 
 
-def refuse_taken_out(fn: Callable[..., Any],
-                     before: dict[tuple[str, tuple[object, ...]], nn.Module] | None,
-                     args: tuple[Any, ...], /) -> None:
+def refuse_taken_out(fn: Callable[..., Any], before: _Routes | None, args: tuple[Any, ...],
+                     /) -> None:
     """Refuse an op that took a module it was given (``before``: its routes at the call) from
     where it found it while it ran (``args`` at its return): its rebuild in backward would not
     find it there (helper RS: `while q: x = q.pop(0)(x)` rebuilt nothing; helper RT: `d["b"]
@@ -399,8 +400,10 @@ def refuse_taken_out(fn: Callable[..., Any],
     after = module_routes(args) if before else None
     if before is None or after is None:
         return  # nothing held, or past the bound
-    for (root, route), module in before.items():
-        if after.get((root, route)) is module:
+    for (root, route), modules in before.items():
+        module = next((m for m in modules if not any(m is n for n in after.get((root, route),
+                                                                              ()))), None)
+        if module is None:
             continue
         raise CheckpointError(
             f"{callable_name(fn)} took a module it was given from where it found it while it "

@@ -1523,3 +1523,29 @@ def test_a_read_only_op_over_a_dict_keyed_by_tuples_gives_eager_gradients() -> N
     eager = _rm_run(make, lambda x, d: _rm_chain(x, d.values()), None, discard=False)
     got = _rm_run(make, lambda x, d: _rm_chain(x, d.values()), None, discard=True)
     assert all(torch.equal(e, g) for e, g in zip(eager, got))
+
+
+# Helper RV: regressions of 952aa29 (module_routes: one module per route).
+
+# 952aa29's module_routes keeps one module per route, and every member of a set has the
+# same route (args[1]['seen']{...}): the set grown, the one kept at the return is another.
+def test_an_op_caching_modules_in_a_held_set_gives_eager_gradients() -> None:
+    extras = [nn.Identity() for _ in range(3)]
+
+    def op(x: torch.Tensor, d: Any) -> torch.Tensor:
+        d["seen"].update(extras)  # a and b stay in the set; the op runs d["mods"]
+        return _rm_chain(x, d["mods"])
+
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return {"mods": [a, b], "seen": {a, b}}
+    eager = _rm_run(make, op, None, discard=False)
+    got = _rm_run(make, op, None, discard=True)
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))
+
+
+def test_a_read_only_op_given_a_set_and_module_keyed_dict_gives_eager_gradients() -> None:
+    def make(a: nn.Module, b: nn.Module) -> Any:
+        return {"mods": [a, b], "seen": {a, b}, "ids": {a: 0, b: 1}}
+    eager = _rm_run(make, lambda x, d: _rm_chain(x, d["mods"]), None, discard=False)
+    got = _rm_run(make, lambda x, d: _rm_chain(x, d["mods"]), None, discard=True)
+    assert all(torch.equal(e, g) for e, g in zip(eager, got))
