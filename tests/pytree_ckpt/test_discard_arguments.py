@@ -375,6 +375,19 @@ def _same(ours: list[torch.Tensor | None], eager: list[torch.Tensor | None]) -> 
                for a, b in zip(ours, eager, strict=True))
 
 
+def _eager_or_refused(make_arg: Callable[[nn.Module, nn.Module], Any],
+                      op: Callable[[torch.Tensor, Any], torch.Tensor],
+                      change: Callable[[Any, nn.Module, nn.Module], None] | None) -> None:
+    """The discard gives eager's gradients for this op and change, or refuses loudly (a
+    CheckpointError): never other numbers silently."""
+    eager = _rm_run(make_arg, op, change, False)
+    try:
+        ours = _rm_run(make_arg, op, change, True)
+    except CheckpointError:
+        return
+    assert _same(ours, eager)
+
+
 def _partial_over(n: nn.Module, p: nn.Module) -> Callable[..., Any]:
     import functools
 
@@ -689,12 +702,7 @@ def _rm_chain(x: torch.Tensor, modules: Any) -> torch.Tensor:
 
 def test_a_module_appended_to_a_held_list_the_op_iterates_is_refused_or_gives_eager_gradients(
 ) -> None:
-    eager = _rm_run(lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.append(b), False)
-    try:
-        lib = _rm_run(lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.append(b), True)
-    except CheckpointError:
-        return
-    assert _same(lib, eager)
+    _eager_or_refused(lambda a, b: [a], _rm_chain, lambda arg, a, b: arg.append(b))
 
 
 def test_a_held_module_also_set_at_a_new_place_is_refused_naming_that_place() -> None:
@@ -856,12 +864,7 @@ def test_a_held_dict_whose_modules_are_reordered_is_refused_or_gives_eager_gradi
     def reorder(arg: Any, a: nn.Module, b: nn.Module) -> None:
         arg.move_to_end("p")  # also: arg["p"] = arg.pop("p"); a namespace's delattr + setattr
 
-    eager = _rm_run(make, op, reorder, False)
-    try:
-        lib = _rm_run(make, op, reorder, True)
-    except CheckpointError:
-        return
-    assert _same(lib, eager)
+    _eager_or_refused(make, op, reorder)
 
 
 def test_a_held_container_replaced_by_one_holding_another_module_is_refused_naming_its_path(
@@ -948,12 +951,8 @@ def _rq_rotate_then_chain(x: torch.Tensor, held: list[nn.Module]) -> torch.Tenso
 def test_an_op_that_moves_its_held_modules_at_each_call_is_refused_or_gives_eager_gradients(
         op: Callable[[torch.Tensor, Any], torch.Tensor]) -> None:
     make: Callable[[nn.Module, nn.Module], Any] = lambda a, b: [a, b]  # noqa: E731
-    eager = _rm_run(make, op, None, False)
-    try:
-        ours = _rm_run(make, op, None, True)
-    except CheckpointError:
-        return  # loud: the rebuild started from other places than the forward did
-    assert _same(ours, eager)
+    # loud: the rebuild started from other places than the forward did
+    _eager_or_refused(make, op, None)
 
 
 def test_an_op_that_sets_its_module_at_a_new_key_in_a_checkpointed_layer_gives_eager_state(
@@ -1204,12 +1203,8 @@ def test_modules_swapped_between_keys_of_one_repr_give_eager_gradients_or_a_refu
     def op(x: torch.Tensor, d: dict[Any, nn.Module]) -> torch.Tensor:
         return d[_RS_K2](d[_RS_K1](x))
 
-    eager = _rm_run(make, op, _rs_reorder_same_repr_keys, False)
-    try:
-        ours = _rm_run(make, op, _rs_reorder_same_repr_keys, True)
-    except CheckpointError:
-        return  # a loud refusal is fine (7fe70d2^ refused it)
-    assert _same(ours, eager)
+    # a loud refusal is fine (7fe70d2^ refused it)
+    _eager_or_refused(make, op, _rs_reorder_same_repr_keys)
 
 
 def test_a_shared_list_split_into_a_copy_and_an_empty_list_gives_eager_gradients_or_a_refusal(
@@ -1221,12 +1216,8 @@ def test_a_shared_list_split_into_a_copy_and_an_empty_list_gives_eager_gradients
     def op(x: torch.Tensor, d: dict[str, Any]) -> torch.Tensor:
         return _rm_chain(x, d["b"])
 
-    eager = _rm_run(make, op, _rs_copy_first_empty_alias, False)
-    try:
-        ours = _rm_run(make, op, _rs_copy_first_empty_alias, True)
-    except CheckpointError:
-        return  # 7fe70d2^ refused it, naming args[1]['a'][0]
-    assert _same(ours, eager)
+    # 7fe70d2^ refused it, naming args[1]['a'][0]
+    _eager_or_refused(make, op, _rs_copy_first_empty_alias)
 
 
 def test_emptying_the_second_reference_to_a_shared_list_gives_eager_gradients_or_a_refusal(
@@ -1238,12 +1229,7 @@ def test_emptying_the_second_reference_to_a_shared_list_gives_eager_gradients_or
     def op(x: torch.Tensor, d: dict[str, Any]) -> torch.Tensor:
         return _rm_chain(x, d["b"])
 
-    eager = _rm_run(make, op, _rs_empty_alias, False)
-    try:
-        ours = _rm_run(make, op, _rs_empty_alias, True)
-    except CheckpointError:
-        return
-    assert _same(ours, eager)
+    _eager_or_refused(make, op, _rs_empty_alias)
 
 
 def _rs_drain(x: torch.Tensor, queue: list[nn.Module]) -> torch.Tensor:
@@ -1268,12 +1254,7 @@ def test_an_op_that_pops_the_modules_it_runs_gives_eager_gradients_or_a_refusal(
         make, op = (lambda a, b: [a, b]), _rs_drain
     else:
         make, op = (lambda a, b: {"a": a, "late": b}), _rs_pop_optional
-    eager = _rm_run(make, op, None, False)
-    try:
-        ours = _rm_run(make, op, None, True)
-    except CheckpointError:
-        return
-    assert _same(ours, eager)
+    _eager_or_refused(make, op, None)
 
 
 def test_a_held_list_replaced_by_a_copy_of_the_same_modules_gives_eager_gradients() -> None:
@@ -1385,46 +1366,26 @@ _RT_E1, _RT_E2 = _RtExpr(), _RtExpr()
 _RT_R1, _RT_R2 = _RtRaiser(), _RtRaiser()
 
 
-def test_modules_swapped_between_keys_whose_eq_is_not_a_bool_give_eager_gradients_or_a_refusal(
-        ) -> None:
+@pytest.mark.parametrize("keys", [(_RT_E1, _RT_E2), (_RT_R1, _RT_R2)],
+                         ids=["eq answers no bool", "eq raises"])
+def test_modules_swapped_between_keys_of_an_odd_eq_give_eager_gradients_or_a_refusal(
+        keys: tuple[Any, Any]) -> None:
+    # Their == is never called (helper RT: a truthy non-bool let the swap through, a raising
+    # one crashed backward with its own error).
+    one, two = keys
+
     def make(a: nn.Module, b: nn.Module) -> dict[Any, nn.Module]:
-        return {_RT_E1: a, _RT_E2: b}
+        return {one: a, two: b}
 
     def op(x: torch.Tensor, d: dict[Any, nn.Module]) -> torch.Tensor:
-        return d[_RT_E2](d[_RT_E1](x))
+        return d[two](d[one](x))
 
     def swap(d: dict[Any, nn.Module], a: nn.Module, b: nn.Module) -> None:
         d.clear()
-        d[_RT_E2] = a
-        d[_RT_E1] = b
+        d[two] = a
+        d[one] = b
 
-    eager = _rm_run(make, op, swap, False)
-    try:
-        ours = _rm_run(make, op, swap, True)
-    except CheckpointError:
-        return
-    assert _same(ours, eager)
-
-
-def test_modules_swapped_between_keys_whose_eq_raises_are_refused_with_a_checkpoint_error(
-        ) -> None:
-    def make(a: nn.Module, b: nn.Module) -> dict[Any, nn.Module]:
-        return {_RT_R1: a, _RT_R2: b}
-
-    def op(x: torch.Tensor, d: dict[Any, nn.Module]) -> torch.Tensor:
-        return d[_RT_R2](d[_RT_R1](x))
-
-    def swap(d: dict[Any, nn.Module], a: nn.Module, b: nn.Module) -> None:
-        d.clear()
-        d[_RT_R2] = a
-        d[_RT_R1] = b
-
-    eager = _rm_run(make, op, swap, False)
-    try:
-        ours = _rm_run(make, op, swap, True)
-    except CheckpointError:
-        return
-    assert _same(ours, eager)
+    _eager_or_refused(make, op, swap)
 
 
 def test_a_dict_whose_keys_eq_raises_replaced_by_a_copy_gives_eager_gradients() -> None:
@@ -1468,12 +1429,7 @@ def _rt_move(x: torch.Tensor, d: dict[str, nn.Module]) -> torch.Tensor:
 
 
 def test_an_op_moving_its_module_to_another_key_gives_eager_gradients_or_a_refusal() -> None:
-    eager = _rm_run(lambda a, b: {"a": a}, _rt_move, None, False)
-    try:
-        ours = _rm_run(lambda a, b: {"a": a}, _rt_move, None, True)
-    except CheckpointError:
-        return
-    assert _same(ours, eager)
+    _eager_or_refused(lambda a, b: {"a": a}, _rt_move, None)
 
 
 # Helper RU: regressions of 492c310 (refuse_taken_out by route, keys by identity).
