@@ -216,8 +216,8 @@ class CheckpointWithoutOutput:
         self.forward_hooks: ForwardHooks | None = None
         # NOTE [a module rebound before the replay] (rebound.py): a plain function's modules.
         self.bound: Bound | None = None
-        # The arguments, and the modules they held at the call (NOTE [an output discard's
-        # arguments]), for the rebuild's check.
+        # The arguments' containers, and where they held modules when the forward returned
+        # (NOTE [an output discard's arguments]), for the checks around the rebuild.
         self.held: tuple[tuple[Any, ...], Places] | None = None
         # Their buffer dicts, frozen parameters (known tensors for backward's check) and
         # trees; what the forward changed of them (NOTE [state the forward changes] in
