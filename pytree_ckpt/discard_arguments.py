@@ -90,9 +90,13 @@ def _how(how: object, /) -> object:
 
 
 def _plain_key(key: object, /) -> bool:
-    """A key compared by value: of a plain class, or a tuple of such (helper RU: a fresh dict
-    keyed by computed tuples was refused)."""
-    return type(key) in _EXACTLY_PLAIN or type(key) is tuple and all(map(_plain_key, key))
+    """A key compared by value: of a plain class, or a tuple (a namedtuple too, whose == and
+    hash are the tuple's: helper RW) of such (helper RU: a fresh dict keyed by computed tuples
+    was refused)."""
+    kind = type(key)
+    return kind in _EXACTLY_PLAIN or isinstance(key, tuple) and \
+        kind.__eq__ is tuple.__eq__ and kind.__hash__ is tuple.__hash__ and \
+        all(map(_plain_key, key))
 
 
 def _route(step: _Step, /) -> tuple[object, ...]:
@@ -401,8 +405,8 @@ def refuse_taken_out(fn: Callable[..., Any], before: _Routes | None, args: tuple
     if before is None or after is None:
         return  # nothing held, or past the bound
     for (root, route), modules in before.items():
-        module = next((m for m in modules if not any(m is n for n in after.get((root, route),
-                                                                              ()))), None)
+        there = {id(m) for m in after.get((root, route), ())}  # a set: helper RW, quadratic
+        module = next((m for m in modules if id(m) not in there), None)
         if module is None:
             continue
         raise CheckpointError(
