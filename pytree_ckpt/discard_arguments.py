@@ -48,8 +48,9 @@ __all__ = ["Places", "checked_arguments", "held_places", "module_routes",
 # where it meets another object, the tree's flatten looks too (a registered pytree node may
 # hold tensors). Paths are made only for a refusal: a tensor-free list of a million numbers is
 # walked once, without a string per entry (helper RI: walked twice, with paths, it cost twice
-# the flatten alone); one holding a module is walked again when the forward returns, and twice
-# in backward (before and after the rebuild), for the places of its modules.
+# the flatten alone); one holding a module is walked again for its places when the forward
+# returns and twice in backward (before and after the rebuild), and for every route to its
+# modules at the call and at the op's return (module_routes).
 
 # Values that hold nothing the walk looks for; of exactly these classes, they are not even
 # pushed (a list of numbers costs a type test each).

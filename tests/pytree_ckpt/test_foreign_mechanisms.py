@@ -1349,8 +1349,11 @@ class _QSModel(nn.Module):
     def run_head(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def full(self, x: torch.Tensor) -> torch.Tensor:  # the whole model, as a method of its own
         return self.head(torch.tanh(self.first(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.full(x)
 
 
 def test_checkpoint_of_a_whole_model_retried_after_its_refusal_following_a_part_call_is_refused_again(
@@ -1569,16 +1572,6 @@ def test_a_model_holding_torchs_wrapper_is_warned_once_over_its_first_calls() ->
     assert len(told) == 1
 
 
-class _RGModelWithAFullMethod(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 8)
-
-    def full(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.first(x)))
-
-
 def test_the_method_set_as_instance_forward_beside_a_reentrant_torch_wrapper_is_refused_or_eager(
         ) -> None:
     # Guards against _same_callable reduced to "a is b": model.forward = model.full, then
@@ -1588,7 +1581,7 @@ def test_the_method_set_as_instance_forward_beside_a_reentrant_torch_wrapper_is_
         CheckpointImpl, checkpoint_wrapper)
 
     torch.manual_seed(0)
-    eager = _RGModelWithAFullMethod()
+    eager = _QSModel()
     model = copy.deepcopy(eager)
     model.first = checkpoint_wrapper(model.first, checkpoint_impl=CheckpointImpl.REENTRANT)
     model.forward = model.full

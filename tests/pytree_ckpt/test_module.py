@@ -2181,10 +2181,9 @@ def _qx_has_recorder(module: nn.Module) -> bool:
     return any(hook is _record_output for hook in module._forward_hooks.values())
 
 
-def test_a_model_unwrapped_beside_a_users_hook_trains_pickles_and_unhooks_as_eager() -> None:
-    x = torch.randn(3, 4)
-    eager, keep_e = _qx_model(), _QxKeep()
-    eager[0].inner.register_forward_hook(keep_e)
+def _qx_unwrapped_beside_a_hook(x: torch.Tensor) -> tuple[nn.Module, _QxKeep, Any]:
+    """A model whose inner module holds a user's forward hook, wrapped, stepped once, unwrapped:
+    the model, the hook and its handle."""
     model, keep = _qx_model(), _QxKeep()
     handle = model[0].inner.register_forward_hook(keep)
     for layer in model:
@@ -2194,6 +2193,14 @@ def test_a_model_unwrapped_beside_a_users_hook_trains_pickles_and_unhooks_as_eag
         model(x).sum().backward()
     model.zero_grad()
     remove_activation_checkpointing(model)
+    return model, keep, handle
+
+
+def test_a_model_unwrapped_beside_a_users_hook_trains_pickles_and_unhooks_as_eager() -> None:
+    x = torch.randn(3, 4)
+    eager, keep_e = _qx_model(), _QxKeep()
+    eager[0].inner.register_forward_hook(keep_e)
+    model, keep, handle = _qx_unwrapped_beside_a_hook(x)
     assert _qx_has_recorder(model[0].inner)  # documented: it stays beside the user's hook
     with torch.no_grad():
         assert torch.equal(model(x), eager(x)) and torch.equal(keep.kept[-1], keep_e.kept[-1])
@@ -2216,15 +2223,7 @@ def test_a_model_unwrapped_beside_a_users_hook_trains_pickles_and_unhooks_as_eag
 
 def test_a_model_unwrapped_beside_a_users_hook_compiles_fullgraph_as_eager() -> None:
     x = torch.randn(3, 4)
-    model, keep = _qx_model(), _QxKeep()
-    model[0].inner.register_forward_hook(keep)
-    for layer in model:
-        apply_activation_checkpointing(layer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model(x).sum().backward()
-    model.zero_grad()
-    remove_activation_checkpointing(model)
+    model, keep, _ = _qx_unwrapped_beside_a_hook(x)
     eager, keep_e = _qx_model(), _QxKeep()
     eager[0].inner.register_forward_hook(keep_e)
     torch._dynamo.reset()
